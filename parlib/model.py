@@ -1,0 +1,181 @@
+"""A small decoder-only transformer and a deterministic token stream, shared by every chapter.
+
+The model is laid out as ``embed -> blocks[0..L-1] -> head`` so that later chapters can cut it
+into pipeline stages (consecutive blocks) or shard the matrices inside a block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the model. Defaults make one training step take tens of ms on one CPU core."""
+
+    vocab_size: int = 256  # bytes: the synthetic stream is byte-valued
+    seq_len: int = 64  # s
+    d_model: int = 128  # h
+    n_heads: int = 4
+    n_layers: int = 4  # L
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Embed(nn.Module):
+    """Token + learned position embedding: tokens (b, s) -> hidden (b, s, h)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok(tokens) + self.pos(positions)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q/k/v/out projections (easy to shard)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Heads are counted from the projection width, so a copy whose q/k/v were cut by
+        # columns (tensor parallelism) runs its share of the heads unchanged.
+        width = self.q.out_features
+        head_dim = self.head_dim
+        heads = width // head_dim
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, heads, head_dim).transpose(1, 2)
+
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.down = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    """Final norm and projection to vocabulary logits: hidden (b, s, h) -> (b, s, vocab)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.ln(x))
+
+
+class TinyGPT(nn.Module):
+    """Decoder-only transformer: ``embed``, ``blocks`` (an nn.ModuleList), ``head``."""
+
+    def __init__(self, cfg: ModelConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg or ModelConfig()
+        self.embed = Embed(self.cfg)
+        self.blocks = nn.ModuleList(Block(self.cfg) for _ in range(self.cfg.n_layers))
+        self.head = Head(self.cfg)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build_model(cfg: ModelConfig | None = None, seed: int = 0) -> TinyGPT:
+    """The same initial weights on every rank and every run, for a given seed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TinyGPT(cfg)
+
+
+def make_batch(
+    batch_size: int, cfg: ModelConfig | None = None, step: int = 0, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``step`` of a deterministic synthetic token stream: (tokens, next-token targets).
+
+    The stream has structure a model can learn (noisy repeating ramps), so losses fall.
+    Every rank asking for the same (batch_size, step, seed) gets the same tensors; data
+    parallel code then slices its own rows.
+    """
+    cfg = cfg or ModelConfig()
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    start = torch.randint(0, cfg.vocab_size, (batch_size, 1), generator=gen)
+    stride = torch.randint(1, 8, (batch_size, 1), generator=gen)
+    ramp = start + stride * torch.arange(cfg.seq_len + 1)
+    noise = (torch.rand(batch_size, cfg.seq_len + 1, generator=gen) < 0.1) * torch.randint(
+        0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=gen
+    )
+    stream = (ramp + noise) % cfg.vocab_size
+    return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position in the batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+__all__ = [
+    "ModelConfig",
+    "TinyGPT",
+    "Block",
+    "build_model",
+    "make_batch",
+    "loss_fn",
+    "count_parameters",
+    "param_bytes",
+]

@@ -1,0 +1,111 @@
+"""Rank functions imported by module (not defined in a cell) for the launcher tests."""
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import parlib
+
+
+def rank_sum(scale=1.0):
+    t = torch.tensor([float(dist.get_rank())]) * scale
+    dist.all_reduce(t)
+    return t.item()
+
+
+def torchrun_entry(scale="1"):
+    value = rank_sum(float(scale))
+    return {"rank": dist.get_rank(), "sum": value, "device": str(parlib.device())}
+
+
+def fail_on(rank):
+    if dist.get_rank() == rank:
+        raise ValueError(f"bad value on rank {rank}")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the others wait here for the failed rank
+    return t.item()
+
+
+def fail_everywhere():
+    raise KeyError(f"rank {dist.get_rank()} broke")
+
+
+def exit_on(rank, code=3):
+    if dist.get_rank() == rank:
+        os._exit(code)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def kill_on(rank):
+    if dist.get_rank() == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def skip_collective(rank):
+    """Every rank but ``rank`` enters an all-reduce: they wait for it forever."""
+    if dist.get_rank() != rank:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    return dist.get_rank()
+
+
+def spin_forever():
+    x = 0
+    while True:
+        x += 1
+
+
+def unpicklable():
+    return (i for i in range(3))  # a generator cannot be pickled
+
+
+def shout(n_bytes):
+    line = "x" * 99
+    if dist.get_rank() == 0:
+        for _ in range(n_bytes // 100):
+            print(line)
+    return dist.get_rank()
+
+
+def sleep_then(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def report_pid_and_sleep(path, seconds):
+    with open(path, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    time.sleep(seconds)
+
+
+def listening_sockets():
+    """This process's listening TCP sockets, as (address hex, port) from /proc/net/tcp*."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as fh:
+            next(fh)
+            for row in fh:
+                cols = row.split()
+                local, state, inode = cols[1], cols[3], cols[9]
+                if state == "0A" and inode in inodes:  # 0A = LISTEN
+                    addr, port = local.split(":")
+                    found.append((addr, int(port, 16)))
+    t = torch.ones(1)
+    dist.all_reduce(t)  # make sure the group's sockets are all up
+    return found
