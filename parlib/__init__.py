@@ -9,6 +9,7 @@ The pieces a learner uses:
 - ``check(question_id, answer)`` / ``explain(question_id)``: the exercises' auto-checks.
 """
 
+from parlib.checking import check, explain
 from parlib.cluster import Cluster
 from parlib.launcher import RankError, device, launch
 from parlib.magic import load_ipython_extension, unload_ipython_extension
@@ -17,6 +18,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cluster",
+    "check",
+    "explain",
     "RankError",
     "device",
     "launch",

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -102,6 +103,13 @@ def rank_main(spec: dict[str, Any], ctrl: Any, out_w: Any, err_w: Any) -> None:
     stack_file = open(spec["stack_path"], "w")  # noqa: SIM115 - lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     torch.set_num_threads(spec["threads"])
+    # torch 2.13 renames all_gather_into_tensor and reduce_scatter_tensor; the course keeps
+    # the names every torch >= 2.0 knows, so its code runs on older clusters, and hides the
+    # warnings, which would drown the lesson's output.
+    warnings.filterwarnings(
+        "ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated",
+        category=FutureWarning,
+    )
     torch.manual_seed(spec.get("seed", 0))
 
     try:

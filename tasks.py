@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Set up and run the course with nothing but Python 3.10+ installed.
+
+    python3 tasks.py course    # make .venv, install everything, open JupyterLab on notebooks/
+    python3 tasks.py test      # make .venv, install everything, run the whole test suite
+
+Options (environment variables):
+    PARLIB_VENV=path        where the virtual environment lives (default: .venv here)
+    PARLIB_TORCH_INDEX=url  a pip index for torch, e.g. https://download.pytorch.org/whl/cpu
+                            for a small CPU-only build on a Linux machine without a GPU
+    PARLIB_TORCH=spec       the torch requirement to install first (default: torch==2.13.0)
+Only the standard library is used here, so this runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = Path(os.environ.get("PARLIB_VENV", ROOT / ".venv"))
+TORCH = os.environ.get("PARLIB_TORCH", "torch==2.13.0")
+
+
+def venv_python() -> Path:
+    sub = "Scripts/python.exe" if os.name == "nt" else "bin/python"
+    return VENV / sub
+
+
+def run(*cmd: str | Path, env: dict[str, str] | None = None, check: bool = True) -> int:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    return subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, check=check).returncode
+
+
+def setup() -> Path:
+    """Create the venv and install torch first (the CPU build where there is no GPU), then
+    parlib with its dev extra. Skipped when pyproject.toml has not changed since last time."""
+    py = venv_python()
+    if not py.exists():
+        print(f"creating a virtual environment in {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    stamp = VENV / ".parlib-installed"
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH.encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == want:
+        return py
+    pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    has_torch = subprocess.run([str(py), "-c", "import torch"], capture_output=True).returncode == 0
+    if not has_torch:
+        # Torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
+        index = os.environ.get("PARLIB_TORCH_INDEX")
+        run(*pip, TORCH, *(["--index-url", index] if index else []))
+    run(*pip, "-e", ".[dev]")
+    stamp.write_text(want)
+    return py
+
+
+def test_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("MPLBACKEND", "Agg")
+    env.setdefault("TQDM_DISABLE", "1")  # progress bars would make nbval outputs noisy
+    env.pop("PARLIB_CHECK_MODE", None)
+    env.update(extra)
+    return env
+
+
+def test(py: Path) -> int:
+    """The whole suite: drift check, lint, unit and fault tests, every notebook under nbval
+    (solutions strict, exercises expect-fail), then proof that every question reported."""
+    log_dir = ROOT / "out"
+    shutil.rmtree(log_dir, ignore_errors=True)
+    log_dir.mkdir()
+    nbval = [py, "-m", "pytest", "-p", "no:cacheprovider", "--nbval-lax",
+             "--nbval-current-env", "--nbval-cell-timeout=300",
+             "--nbval-sanitize-with", "tests/nbval_sanitize.cfg"]
+    steps = [
+        ("exercises and solutions match authoring/", [py, "-m", "parlib", "build", "--check"], {}),
+        ("lint", [py, "-m", "ruff", "check", "parlib", "tests", "bench", "tasks.py"], {}),
+        ("unit, fault and mutant tests", [py, "-m", "pytest", "-p", "no:cacheprovider", "tests"],
+         {}),
+        ("lesson notebooks", [*nbval, "notebooks"], {}),
+        ("solutions, strict: every check must pass", [*nbval, "solutions"],
+         {"PARLIB_CHECK_MODE": "strict", "PARLIB_CHECK_LOG": str(log_dir / "solutions.jsonl")}),
+        ("exercises, expect-fail: no check may pass", [*nbval, "exercises"],
+         {"PARLIB_CHECK_MODE": "expect-fail",
+          "PARLIB_CHECK_LOG": str(log_dir / "exercises.jsonl")}),
+        ("every declared question reported in both runs",
+         [py, "-m", "parlib.grading", "--verify-logs", str(log_dir / "solutions.jsonl"),
+          str(log_dir / "exercises.jsonl")], {}),
+    ]
+    results = []
+    for title, cmd, extra in steps:
+        print(f"\n=== {title}", flush=True)
+        start = time.time()
+        code = run(*cmd, env=test_env(**extra), check=False)
+        results.append((title, code, time.time() - start))
+        if code != 0:
+            break
+    print("\n=== summary")
+    for title, code, secs in results:
+        print(f"{'ok  ' if code == 0 else 'FAIL'} {secs:6.0f} s  {title}")
+    failed = [r for r in results if r[1] != 0]
+    return 1 if failed or len(results) < len(steps) else 0
+
+
+def course(py: Path) -> int:
+    args = [py, "-m", "jupyter", "lab", "--notebook-dir", str(ROOT)]
+    target = "notebooks/00_launching_ranks.ipynb"
+    return subprocess.call([str(a) for a in args] + ([f"--LabApp.default_url=/lab/tree/{target}"]
+                                                     if (ROOT / target).exists() else []))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] not in ("course", "test", "setup"):
+        print(__doc__)
+        return 2
+    py = setup()
+    if argv[0] == "test":
+        return test(py)
+    if argv[0] == "course":
+        return course(py)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
