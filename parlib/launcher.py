@@ -73,7 +73,8 @@ def plan(world_size: int, backend: str | None = None) -> Plan:
     gpus = cuda_count()
     if backend is None:
         if gpus >= world_size:
-            return Plan("nccl", "cuda", f"{gpus} CUDA GPU(s) >= {world_size} ranks: one GPU per rank")
+            why = f"{gpus} CUDA GPU(s) >= {world_size} ranks: one GPU per rank"
+            return Plan("nccl", "cuda", why)
         why = "no CUDA GPU found" if gpus == 0 else f"only {gpus} GPU(s) for {world_size} ranks"
         return Plan("gloo", "cpu", f"{why}: ranks run on the CPU")
     if backend == "nccl":
@@ -139,7 +140,7 @@ class RankGroup:
             raise ValueError("env must map str to str")
         self.procs: list[Any] = []
         self.ctrls: list[Any] = []
-        self._out: dict[int, tuple[int, int, bool]] = {}  # fd -> (rank, unused, is_err)
+        self._out: dict[int, tuple[int, Any, bool]] = {}  # fd -> (rank, connection, is stderr)
         self._partial: dict[int, bytes] = {}
         self._tmp = ""
         self.closed = True
