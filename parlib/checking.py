@@ -314,7 +314,9 @@ def _as_number(answer: Any, what: str = "a number") -> float:
         try:
             value = float(answer.reshape(-1)[0].item())
         except Exception:  # noqa: BLE001 - complex, non-numeric dtype
-            raise CheckFailed(f"you gave {type(answer).__name__} {answer!r}: give {what}")
+            raise CheckFailed(
+                f"you gave {type(answer).__name__} {answer!r}: give {what}"
+            ) from None
     elif isinstance(answer, (list, tuple, set, dict)):
         raise CheckFailed(
             f"you gave a {type(answer).__name__} of {len(answer)} items: give a single number"
@@ -482,7 +484,7 @@ class Expression(Question):
             return ast.parse(text.replace("^", "**").strip(), mode="eval")
         except SyntaxError:
             raise CheckFailed(f"{text!r} is not a formula Python can read "
-                              f"(use * for products and ** for powers)")
+                              f"(use * for products and ** for powers)") from None
 
     def _values(self, text: str) -> list[float | None]:
         tree = self._parse(text)

@@ -177,7 +177,8 @@ def transform(nb: dict, solution: bool, name: str = "notebook") -> dict:
         src = _source(cell)
         where = f"{name} cell {index}"
         first, _, rest = src.partition("\n")
-        if kind == "markdown" and _MD_CELL.match(first) or kind == "code" and _CODE_CELL.match(first):
+        marked = _MD_CELL.match(first) if kind == "markdown" else _CODE_CELL.match(first)
+        if kind in ("markdown", "code") and marked:
             if not solution:
                 continue
             src = rest

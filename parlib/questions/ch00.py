@@ -212,7 +212,8 @@ def _diagnose(rank: int, world: int, inputs: list[torch.Tensor], rep: dict) -> s
     expected = torch.stack(inputs).sum(0)
     own = inputs[rank]
     out, after = rep["out"], rep["after"]
-    close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    def close(a, b):
+        return a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
     if out is None:
         if isinstance(after, torch.Tensor) and close(after, expected):
             return ("returned None after summing into its input in place; this exercise "
