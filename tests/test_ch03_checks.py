@@ -1,0 +1,164 @@
+"""Chapter 03 questions: the GPipe grader accepts the reference and rejects each mutant."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+import torch
+
+from parlib.checking import check, explain, questions
+from parlib.schedules import bubble_fraction
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv("PARLIB_CHECK_MODE", raising=False)
+    monkeypatch.delenv("PARLIB_CHECK_LOG", raising=False)
+    check.reset()
+    yield
+    check.reset()
+
+
+def learner(src: str, name: str):
+    """Define a function as a notebook cell would (module __main__, shipped by value)."""
+    ns = {"__name__": "__main__", "torch": torch}
+    exec("import torch.distributed as dist\nfrom parlib.model import loss_fn\n"
+         + textwrap.dedent(src), ns)
+    return ns[name]
+
+
+GPIPE = """
+def gpipe_step(stage, tokens, targets, m):
+    rank = stage.rank
+    dev = next(stage.parameters()).device
+    xs, ys = tokens.chunk(m), targets.chunk(m)
+    inputs, outputs, total = [], [], 0.0
+    for i in range(m):
+        if stage.is_first:
+            x = xs[i].to(dev)
+        else:
+            x = torch.empty(stage.activation_shape(xs[i].shape[0]), device=dev)
+            dist.recv(x, FWD_SRC)
+            x.requires_grad_()
+        y = stage(x)
+        if stage.is_last:
+            y = loss_fn(y, ys[i].to(dev)) / LOSS_DIV
+            total += y.item()
+        else:
+            dist.send(y.detach(), rank + 1)
+        inputs.append(x)
+        outputs.append(y)
+    for i in BWD_ORDER:
+        ZERO
+        if stage.is_last:
+            outputs[i].backward()
+        else:
+            grad = torch.empty_like(outputs[i])
+            dist.recv(grad, rank + 1)
+            outputs[i].backward(grad)
+        if not stage.is_first:
+            dist.send(inputs[i].grad, rank - 1)
+    return RESULT
+"""
+
+DEFAULTS = {"FWD_SRC": "rank - 1", "LOSS_DIV": "m", "BWD_ORDER": "reversed(range(m))",
+            "ZERO": "pass", "RESULT": "total if stage.is_last else None"}
+
+
+def gpipe(**changes):
+    src = GPIPE
+    for k, v in {**DEFAULTS, **changes}.items():
+        src = src.replace(k, v)
+    return learner(src, "gpipe_step")
+
+
+def test_ch03_questions_registered():
+    ids = set(questions("03"))
+    assert {"03.gpipe", "03.bubble", "03.bubble_naive", "03.min_microbatches",
+            "03.gpipe_inflight", "03.1f1b_inflight", "03.boundary_bytes",
+            "03.more_stages"} <= ids
+
+
+def test_numeric_answers_and_hints():
+    assert check("03.bubble", 3 / 11).passed
+    assert check("03.bubble", bubble_fraction(4, 8)).passed
+    r = check("03.bubble", 3 / 8)
+    assert r.status == "failed" and "relative to the ideal" in r.message
+    assert check("03.bubble_naive", 0.75).passed
+    assert check("03.min_microbatches", 64).passed
+    r = check("03.min_microbatches", 63)
+    assert r.status == "failed" and "exactly" in r.message
+    assert check("03.gpipe_inflight", 8).passed and check("03.1f1b_inflight", 4).passed
+    assert "warm-up" in check("03.1f1b_inflight", 3).message
+    assert check("03.boundary_bytes", 268_435_456).passed
+    assert "one direction" in check("03.boundary_bytes", 134_217_728).message
+    assert check("03.more_stages", "B").passed
+    assert check("03.more_stages", "A").status == "failed"
+
+
+def test_min_microbatches_matches_formula():
+    from parlib.schedules import min_microbatches
+
+    # "under 10%" is strict: 63 gives exactly 0.1
+    assert bubble_fraction(8, 63) == pytest.approx(0.1)
+    assert min_microbatches(8, 0.1 - 1e-9) == 64
+
+
+def test_gpipe_reference_passes():
+    t0 = time.monotonic()
+    r = check("03.gpipe", gpipe())
+    assert r.passed, r
+    assert time.monotonic() - t0 < 30
+
+
+def test_gpipe_rejects_wrong_recv_order():
+    # the last stage sends gradients m-1..0 but the others take them as 0..m-1
+    r = check("03.gpipe", gpipe(BWD_ORDER="(reversed(range(m)) if stage.is_last else range(m))"))
+    assert r.status == "failed", r
+    assert "2 ranks" in r.message and "microbatch it belongs to" in r.message
+
+
+def test_gpipe_rejects_missing_accumulation():
+    r = check("03.gpipe", gpipe(ZERO="stage.zero_grad()"))
+    assert r.status == "failed", r
+    assert "only microbatch 0's share" in r.message and "add into .grad" in r.message
+
+
+def test_gpipe_rejects_backward_in_forward_order():
+    # consistent on every rank, so the all-learner cases pass: the mixed case catches it
+    r = check("03.gpipe", gpipe(BWD_ORDER="range(m)"))
+    assert r.status == "failed", r
+    assert "reference GPipe on ranks" in r.message and "m-1, ..., 0" in r.message
+
+
+def test_gpipe_rejects_loss_divided_by_wrong_count():
+    r = check("03.gpipe", gpipe(LOSS_DIV="tokens.shape[0]"))  # the batch size, not m
+    assert r.status == "failed", r
+    assert "0.5 x the single-device" in r.message and "divide each microbatch's loss by m" \
+        in r.message
+
+
+def test_gpipe_rejects_wrong_return():
+    r = check("03.gpipe", gpipe(RESULT="None"))
+    assert r.status == "failed", r
+    assert "returned None" in r.message
+
+
+def test_gpipe_deadlock_bounded_by_timeout():
+    # receives activations from rank + 1, which never sends them: every rank waits
+    t0 = time.monotonic()
+    r = check("03.gpipe", gpipe(FWD_SRC="(rank + 1) % stage.p"), timeout=5)
+    assert r.status == "failed", r
+    assert "did not finish after 5 s" in r.message
+    assert time.monotonic() - t0 < 25
+
+
+def test_gpipe_stub_not_attempted(capsys):
+    def gpipe_step(stage, tokens, targets, m):
+        raise NotImplementedError
+
+    assert check("03.gpipe", gpipe_step).status == "not attempted"
+    explain("03.gpipe")
+    assert "reversed(range(m))" not in capsys.readouterr().out  # no working before an attempt
