@@ -4,30 +4,23 @@ with a hint that names the mistake."""
 from __future__ import annotations
 
 import math
-import textwrap
 
 import pytest
-import torch
 
 from parlib.checking import check, questions
+from learner_code import learner as define_learner
+
+pytestmark = pytest.mark.usefixtures("clean_checks")
+
+
+def learner(src, name):
+    return define_learner(src, name, prelude="from parlib import dp\n")
+
 
 GiB = 2**30
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    monkeypatch.delenv("PARLIB_CHECK_MODE", raising=False)
-    monkeypatch.delenv("PARLIB_CHECK_LOG", raising=False)
-    check.reset()
-    yield
-    check.reset()
 
-
-def learner(src: str, name: str):
-    """Define a function as a notebook cell would (module __main__, shipped by value)."""
-    ns = {"__name__": "__main__", "torch": torch}
-    exec("import torch.distributed as dist\nfrom parlib import dp\n" + textwrap.dedent(src), ns)
-    return ns[name]
 
 
 def test_chapter_has_its_questions():

@@ -2,31 +2,23 @@
 
 from __future__ import annotations
 
-import textwrap
 import time
 
 import pytest
-import torch
 
 from parlib.checking import check, explain, questions
 from parlib.schedules import bubble_fraction
+from learner_code import learner as define_learner
+
+pytestmark = pytest.mark.usefixtures("clean_checks")
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    monkeypatch.delenv("PARLIB_CHECK_MODE", raising=False)
-    monkeypatch.delenv("PARLIB_CHECK_LOG", raising=False)
-    check.reset()
-    yield
-    check.reset()
+def learner(src, name):
+    return define_learner(src, name, prelude="from parlib.model import loss_fn\n")
 
 
-def learner(src: str, name: str):
-    """Define a function as a notebook cell would (module __main__, shipped by value)."""
-    ns = {"__name__": "__main__", "torch": torch}
-    exec("import torch.distributed as dist\nfrom parlib.model import loss_fn\n"
-         + textwrap.dedent(src), ns)
-    return ns[name]
+
+
 
 
 GPIPE = """

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from learner_code import learner
+
 from parlib import checking
 from parlib.checking import (
     CheckError,
@@ -24,21 +26,9 @@ from parlib.checking import (
     trim_traceback,
 )
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    monkeypatch.delenv("PARLIB_CHECK_MODE", raising=False)
-    monkeypatch.delenv("PARLIB_CHECK_LOG", raising=False)
-    check.reset()
-    yield
-    check.reset()
+pytestmark = pytest.mark.usefixtures("clean_checks")
 
 
-def learner(src: str, name: str):
-    """Define a function as a notebook would (module __main__, shipped to ranks by value)."""
-    ns = {"__name__": "__main__", "torch": torch}
-    exec("import torch.distributed as dist\n" + textwrap.dedent(src), ns)  # noqa: S102
-    return ns[name]
 
 
 # --------------------------------------------------------------------------- numeric

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from typing import Any, Callable
 
 import torch
@@ -222,18 +224,14 @@ SEED = 3
 BATCH = 8
 
 
-def reference_gpipe(stage: Any, tokens: torch.Tensor, targets: torch.Tensor,
-                    m: int) -> float | None:
-    """The reference GPipe step (the exercise's solution), used by the checker."""
-    import torch.distributed as dist
-
-    from parlib.model import loss_fn
-
+# The exercise's solution, written once: the checker runs it as the reference, and the
+# worked answer shows the same text.
+GPIPE_SOLUTION = """\
+def gpipe_step(stage, tokens, targets, m):
     rank = stage.rank
     dev = next(stage.parameters()).device
     xs, ys = tokens.chunk(m), targets.chunk(m)
-    inputs, outputs = [], []
-    total = 0.0
+    inputs, outputs, total = [], [], 0.0
     for i in range(m):
         if stage.is_first:
             x = xs[i].to(dev)
@@ -259,6 +257,20 @@ def reference_gpipe(stage: Any, tokens: torch.Tensor, targets: torch.Tensor,
         if not stage.is_first:
             dist.send(inputs[i].grad, rank - 1)
     return total if stage.is_last else None
+"""
+
+
+def _define_reference() -> Callable:
+    import torch.distributed as dist
+
+    from parlib.model import loss_fn
+
+    namespace = {"torch": torch, "dist": dist, "loss_fn": loss_fn, "__name__": __name__}
+    exec(compile(GPIPE_SOLUTION, f"<{__name__} reference>", "exec"), namespace)  # noqa: S102
+    return namespace["gpipe_step"]
+
+
+reference_gpipe = _define_reference()
 
 
 def _gpipe_rank(fn: Callable, m: int, learner_ranks: tuple[int, ...]) -> dict[str, Any]:
@@ -394,7 +406,7 @@ register(Implementation(
         returns the full-batch loss, the others None. Checked on 2 and 4 ranks against the
         single-device gradients (rtol 1e-4), and mixed with the reference on 4 ranks.
     """,
-    working="""
+    working=textwrap.dedent("""
         Cut the batch with `tokens.chunk(m)` and `targets.chunk(m)`. Keep, for each
         microbatch, the stage's input `x` and output `y`: the backward needs both.
 
@@ -415,37 +427,5 @@ register(Implementation(
         needed. All sends of the forward phase go to rank + 1 and all of the backward
         phase to rank - 1, so blocking sends cannot deadlock here.
 
-        ```python
-        def gpipe_step(stage, tokens, targets, m):
-            rank = stage.rank
-            dev = next(stage.parameters()).device
-            xs, ys = tokens.chunk(m), targets.chunk(m)
-            inputs, outputs, total = [], [], 0.0
-            for i in range(m):
-                if stage.is_first:
-                    x = xs[i].to(dev)
-                else:
-                    x = torch.empty(stage.activation_shape(xs[i].shape[0]), device=dev)
-                    dist.recv(x, rank - 1)
-                    x.requires_grad_()
-                y = stage(x)
-                if stage.is_last:
-                    y = loss_fn(y, ys[i].to(dev)) / m
-                    total += y.item()
-                else:
-                    dist.send(y.detach(), rank + 1)
-                inputs.append(x)
-                outputs.append(y)
-            for i in reversed(range(m)):
-                if stage.is_last:
-                    outputs[i].backward()
-                else:
-                    grad = torch.empty_like(outputs[i])
-                    dist.recv(grad, rank + 1)
-                    outputs[i].backward(grad)
-                if not stage.is_first:
-                    dist.send(inputs[i].grad, rank - 1)
-            return total if stage.is_last else None
-        ```
-    """,
+    """) + "\n```python\n" + GPIPE_SOLUTION + "```\n",
 ))
