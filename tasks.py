@@ -110,6 +110,8 @@ def test(py: Path) -> int:
 
 def course(py: Path) -> int:
     args = [py, "-m", "jupyter", "lab", "--notebook-dir", str(ROOT)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers often run as root
+        args.append("--allow-root")
     target = "notebooks/00_launching_ranks.ipynb"
     return subprocess.call([str(a) for a in args] + ([f"--LabApp.default_url=/lab/tree/{target}"]
                                                      if (ROOT / target).exists() else []))
