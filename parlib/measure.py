@@ -29,6 +29,7 @@ import html
 import statistics
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -500,37 +501,69 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | Any) -> int:
     return tensor_bytes(tensors)
 
 
-class SavedActivations:
-    """Count the bytes autograd saves for backward inside ``with SavedActivations(model) as s``.
+class _Saved:
+    """What autograd keeps for a saved tensor; when it is freed, the count drops."""
 
-    Uses ``torch.autograd.graph.saved_tensors_hooks``; storages are counted once, and the
-    model's own parameters (which autograd also saves) are left out. ``s.nbytes`` after.
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class SavedActivations:
+    """Bytes autograd saves for backward inside ``with SavedActivations(model) as s``.
+
+    Uses ``torch.autograd.graph.saved_tensors_hooks``; each storage counts once, and the
+    model's own parameters (which autograd also saves) are left out. After the block:
+    ``s.nbytes`` is every byte saved, ``s.live`` what is still held (backward frees what it
+    used) and ``s.peak`` the most held at once, which is what a pipeline schedule changes.
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, exclude: Iterable[torch.Tensor] | torch.nn.Module = ()) -> None:
         if isinstance(exclude, torch.nn.Module):
             exclude = list(exclude.parameters())
         self._exclude = {
             (str(t.device), t.untyped_storage().data_ptr())
             for t in (x.to_local() if hasattr(x, "to_local") else x for x in exclude)
         }
-        self._seen: set[tuple[str, int]] = set()
+        self._refs: dict[tuple[str, int], int] = {}
+        self._size: dict[tuple[str, int], int] = {}
         self.nbytes = 0
+        self.live = 0
+        self.peak = 0
         self._hooks: Any = None
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _release(self, key: tuple[str, int]) -> None:
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.live -= self._size.pop(key)
+
+    def _pack(self, t: torch.Tensor) -> Any:
         try:
             storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr())
-            if key not in self._seen and key not in self._exclude:
-                self._seen.add(key)
-                self.nbytes += storage.nbytes()
         except (RuntimeError, NotImplementedError):  # tensors without a plain storage
-            pass
-        return t
+            return t
+        key = (str(t.device), storage.data_ptr())
+        if key in self._exclude or storage.nbytes() == 0:
+            return t
+        if key not in self._refs:
+            self._refs[key] = 0
+            self._size[key] = storage.nbytes()
+            self.nbytes += storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self._refs[key] += 1
+        saved = _Saved(t)
+        weakref.finalize(saved, self._release, key)
+        return saved
+
+    @staticmethod
+    def _unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
 
     def __enter__(self) -> "SavedActivations":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 

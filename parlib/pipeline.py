@@ -24,7 +24,6 @@ large messages: measured with 16 MB both ways here).
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parlib.measure import SavedActivations
 from parlib.model import ModelConfig, TinyGPT, build_model, loss_fn, make_batch
 from parlib.schedules import BACKWARD, FORWARD, Op, schedule
 from parlib.timeline import Recorder
@@ -198,68 +198,6 @@ def default_cost(device: Any) -> StageCost | None:
 # --------------------------------------------------------------------------- memory
 
 
-class _Packed:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class SavedBytes:
-    """Live and peak bytes of tensors autograd saves for backward, while inside ``with``.
-
-    Each saved storage is counted once; it stops counting when autograd frees it (after
-    the backward that used it). Parameters are left out. ``live``, ``peak`` in bytes.
-    (parlib.measure.SavedActivations counts the total saved; this one tracks the peak of
-    what is alive, which is what a pipeline schedule changes.)
-    """
-
-    def __init__(self, exclude: nn.Module | Sequence[torch.Tensor] = ()) -> None:
-        params = exclude.parameters() if isinstance(exclude, nn.Module) else exclude
-        self._exclude = {t.untyped_storage().data_ptr() for t in params}
-        self._refs: dict[int, int] = {}
-        self._size: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
-        self._hooks: Any = None
-
-    def _release(self, key: int) -> None:
-        self._refs[key] -= 1
-        if not self._refs[key]:
-            del self._refs[key]
-            self.live -= self._size.pop(key)
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return t
-        key = storage.data_ptr()
-        if key in self._exclude or storage.nbytes() == 0:
-            return t
-        if key not in self._refs:
-            self._refs[key] = 0
-            self._size[key] = storage.nbytes()
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-        self._refs[key] += 1
-        packed = _Packed(t)
-        weakref.finalize(packed, self._release, key)
-        return packed
-
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Packed) else packed
-
-    def __enter__(self) -> "SavedBytes":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-
 # --------------------------------------------------------------------------- one step
 
 
@@ -280,7 +218,7 @@ def run_schedule(
     *,
     recorder: Recorder | None = None,
     cost: StageCost | None = None,
-    memory: SavedBytes | None = None,
+    memory: SavedActivations | None = None,
 ) -> float | None:
     """One training step of this rank's stage, running ``ops`` in order.
 
@@ -395,7 +333,7 @@ def rank_step(
     for it in range(warmup + repeats):
         stage.zero_grad(set_to_none=True)
         rec = Recorder(rank, dev)
-        tracker = SavedBytes(stage) if memory else None
+        tracker = SavedActivations(stage) if memory else None
         dist.barrier()
         loss = run_schedule(stage, ops, tokens, targets, m, recorder=rec, cost=cost,
                             memory=tracker)
@@ -551,7 +489,6 @@ __all__ = [
     "microbatches",
     "StageCost",
     "default_cost",
-    "SavedBytes",
     "run_schedule",
     "rank_step",
     "gather_grads",

@@ -8,6 +8,7 @@ import torch
 import parlib
 from parlib import pipeline as P
 from parlib import schedules as S
+from parlib.measure import SavedActivations
 from parlib.model import ModelConfig, build_model, make_batch
 from parlib.timeline import makespan
 
@@ -40,7 +41,7 @@ def test_stages_chain_to_the_full_model(p):
 def test_saved_bytes_peak_and_release():
     model = build_model(CFG, 0)
     tokens, targets = make_batch(4, CFG, 0, 0)
-    tracker = P.SavedBytes(model)
+    tracker = SavedActivations(model)
     with tracker:
         y1 = model(tokens[:2]).sum()
     one = tracker.peak
