@@ -7,6 +7,7 @@ import time
 import pytest
 
 from parlib.checking import check, explain, questions
+from parlib.questions.ch03 import GPIPE_SOLUTION
 from parlib.schedules import bubble_fraction
 from learner_code import learner as define_learner
 
@@ -21,48 +22,28 @@ def learner(src, name):
 
 
 
-GPIPE = """
-def gpipe_step(stage, tokens, targets, m):
-    rank = stage.rank
-    dev = next(stage.parameters()).device
-    xs, ys = tokens.chunk(m), targets.chunk(m)
-    inputs, outputs, total = [], [], 0.0
-    for i in range(m):
-        if stage.is_first:
-            x = xs[i].to(dev)
-        else:
-            x = torch.empty(stage.activation_shape(xs[i].shape[0]), device=dev)
-            dist.recv(x, FWD_SRC)
-            x.requires_grad_()
-        y = stage(x)
-        if stage.is_last:
-            y = loss_fn(y, ys[i].to(dev)) / LOSS_DIV
-            total += y.item()
-        else:
-            dist.send(y.detach(), rank + 1)
-        inputs.append(x)
-        outputs.append(y)
-    for i in BWD_ORDER:
-        ZERO
-        if stage.is_last:
-            outputs[i].backward()
-        else:
-            grad = torch.empty_like(outputs[i])
-            dist.recv(grad, rank + 1)
-            outputs[i].backward(grad)
-        if not stage.is_first:
-            dist.send(inputs[i].grad, rank - 1)
-    return RESULT
-"""
-
-DEFAULTS = {"FWD_SRC": "rank - 1", "LOSS_DIV": "m", "BWD_ORDER": "reversed(range(m))",
-            "ZERO": "pass", "RESULT": "total if stage.is_last else None"}
+# Mutants are the reference solution (the code the worked answer shows) with one change each.
+PLACES = {
+    "FWD_SRC": "dist.recv(x, rank - 1)",
+    "LOSS_DIV": "loss_fn(y, ys[i].to(dev)) / m",
+    "BWD_ORDER": "for i in reversed(range(m)):",
+    "ZERO": "    for i in reversed(range(m)):\n",
+    "RESULT": "return total if stage.is_last else None",
+}
+FILLED = {
+    "FWD_SRC": "dist.recv(x, {})",
+    "LOSS_DIV": "loss_fn(y, ys[i].to(dev)) / ({})",
+    "BWD_ORDER": "for i in {}:",
+    "ZERO": "    for i in reversed(range(m)):\n        {}\n",
+    "RESULT": "return {}",
+}
 
 
 def gpipe(**changes):
-    src = GPIPE
-    for k, v in {**DEFAULTS, **changes}.items():
-        src = src.replace(k, v)
+    src = GPIPE_SOLUTION
+    for key, value in changes.items():
+        assert src.count(PLACES[key]) == 1, f"the reference no longer has {PLACES[key]!r}"
+        src = src.replace(PLACES[key], FILLED[key].format(value))
     return learner(src, "gpipe_step")
 
 

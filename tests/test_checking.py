@@ -13,6 +13,7 @@ import torch
 from learner_code import learner
 
 from parlib import checking
+from parlib.questions.ch00 import RING_SOLUTION
 from parlib.checking import (
     CheckError,
     CheckFailed,
@@ -256,39 +257,23 @@ def test_local_learner_exception_is_error_with_trimmed_traceback():
 
 # --------------------------------------------------------------------------- ring all-reduce
 
-RING_OK = """
-def ring_all_reduce(tensor):
-    rank, N = dist.get_rank(), dist.get_world_size()
-    out = tensor.clone()
-    chunks = torch.tensor_split(out, N)
-    right, left = (rank + 1) % N, (rank - 1) % N
-    def exchange(send_i, recv_i, add):
-        buf = torch.empty_like(chunks[recv_i])
-        if rank % 2 == 0:
-            dist.send(chunks[send_i].contiguous(), RIGHT)
-            dist.recv(buf, LEFT)
-        else:
-            dist.recv(buf, LEFT)
-            dist.send(chunks[send_i].contiguous(), RIGHT)
-        if ADD:
-            chunks[recv_i].add_(buf)
-        else:
-            chunks[recv_i].copy_(buf)
-    for s in range(N - 1):
-        exchange((rank - s) % N, (rank - s - 1) % N, add=True)
-    for s in range(N - 1):
-        exchange(GATHER_SEND, (rank - s) % N, add=False)
-    return RESULT
-"""
-
-DEFAULTS = {"RIGHT": "right", "LEFT": "left", "ADD": "add",
-            "GATHER_SEND": "(rank + 1 - s) % N", "RESULT": "out"}
+# Mutants are the worked answer's code with one change each.
+PLACES = {
+    "RIGHT": ("dist.send(chunks[send_i].contiguous(), right)",
+              "dist.send(chunks[send_i].contiguous(), {})"),
+    "LEFT": ("dist.recv(buf, left)", "dist.recv(buf, {})"),
+    "ADD": ("if add:", "if {}:"),
+    "GATHER_SEND": ("exchange((rank + 1 - s) % N,", "exchange({},"),
+    "RESULT": ("return out", "return {}"),
+}
 
 
 def ring(**changes):
-    src = RING_OK
-    for k, v in {**DEFAULTS, **changes}.items():
-        src = src.replace(k, v)
+    src = RING_SOLUTION
+    for key, value in changes.items():
+        old, new = PLACES[key]
+        assert old in src, f"the reference no longer has {old!r}"
+        src = src.replace(old, new.format(value))
     return learner(src, "ring_all_reduce")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import itertools
 
 import torch
@@ -294,6 +296,36 @@ def _grade_ring(fn) -> None:
                     )
 
 
+# The worked answer's code, written once: the working shows it and the tests derive their
+# wrong answers from it.
+RING_SOLUTION = """\
+def ring_all_reduce(tensor):
+    rank, N = dist.get_rank(), dist.get_world_size()
+    out = tensor.clone()
+    chunks = torch.tensor_split(out, N)
+    right, left = (rank + 1) % N, (rank - 1) % N
+
+    def exchange(send_i, recv_i, add):
+        buf = torch.empty_like(chunks[recv_i])
+        if rank % 2 == 0:
+            dist.send(chunks[send_i].contiguous(), right)
+            dist.recv(buf, left)
+        else:
+            dist.recv(buf, left)
+            dist.send(chunks[send_i].contiguous(), right)
+        if add:
+            chunks[recv_i].add_(buf)
+        else:
+            chunks[recv_i].copy_(buf)
+
+    for s in range(N - 1):
+        exchange((rank - s) % N, (rank - s - 1) % N, add=True)
+    for s in range(N - 1):
+        exchange((rank + 1 - s) % N, (rank - s) % N, add=False)
+    return out
+"""
+
+
 register(Implementation(
     "00.ring_all_reduce",
     _grade_ring,
@@ -305,7 +337,7 @@ register(Implementation(
         3 and 4 ranks, with 1-D float32 tensors whose length may not divide by N
         (tolerance 1e-5).
     """,
-    working="""
+    working=textwrap.dedent("""
         Split a copy of the tensor into N chunks with `torch.tensor_split(out, N)` (views,
         so writing into a chunk writes into `out`; uneven lengths are fine). Rank r sends to
         `right = (r + 1) % N` and receives from `left = (r - 1) % N`.
@@ -320,34 +352,9 @@ register(Implementation(
         receiving: even ranks send then receive, odd ranks receive then send. With N = 1
         there are no steps and the copy is the answer.
 
-        ```python
-        def ring_all_reduce(tensor):
-            rank, N = dist.get_rank(), dist.get_world_size()
-            out = tensor.clone()
-            chunks = torch.tensor_split(out, N)
-            right, left = (rank + 1) % N, (rank - 1) % N
-
-            def exchange(send_i, recv_i, add):
-                buf = torch.empty_like(chunks[recv_i])
-                if rank % 2 == 0:
-                    dist.send(chunks[send_i].contiguous(), right)
-                    dist.recv(buf, left)
-                else:
-                    dist.recv(buf, left)
-                    dist.send(chunks[send_i].contiguous(), right)
-                if add:
-                    chunks[recv_i].add_(buf)
-                else:
-                    chunks[recv_i].copy_(buf)
-
-            for s in range(N - 1):
-                exchange((rank - s) % N, (rank - s - 1) % N, add=True)
-            for s in range(N - 1):
-                exchange((rank + 1 - s) % N, (rank - s) % N, add=False)
-            return out
-        ```
-
+    """).strip() + "\n\n```python\n" + RING_SOLUTION + "```\n\n"
+    + textwrap.dedent("""
         Each rank sends 2(N-1) chunks of n/N elements: the 2(N-1)/N x bytes of question
         00.ring_bytes.
-    """,
+    """),
 ))
