@@ -8,6 +8,7 @@ import math
 import pytest
 
 from parlib.checking import check, questions
+from parlib.questions.ch01 import ZERO1_SOLUTION
 from learner_code import learner as define_learner
 
 pytestmark = pytest.mark.usefixtures("clean_checks")
@@ -152,37 +153,16 @@ def average_gradients(model):
 
 # --------------------------------------------------------------------------- ZeRO-1
 
-ZERO1_REFERENCE = """
-def zero1_step(params, shard, optimizer):
-    N = dist.get_world_size()
-    S = shard.numel()
-    flat_grad = torch.zeros(N * S)
-    grads = torch.cat([p.grad.reshape(-1) for p in params])
-    flat_grad[: grads.numel()] = grads
-    shard.grad = torch.empty(S)
-    dp.reduce_scatter(shard.grad, flat_grad)
-    shard.grad /= N
-    optimizer.step()
-    flat = torch.empty(N * S)
-    dp.all_gather(flat, shard.detach())
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(flat[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
-"""
-
-
 def _zero1_mutant(old: str, new: str) -> str:
-    assert old in ZERO1_REFERENCE
-    return ZERO1_REFERENCE.replace(old, new)
+    assert ZERO1_SOLUTION.count(old) == 1, f"the reference no longer has {old!r}"
+    return ZERO1_SOLUTION.replace(old, new)
 
 
 ZERO1_MUTANTS = {
     "no_division": (_zero1_mutant("    shard.grad /= N\n", ""), "divide the shard's gradient"),
     "no_all_gather": (
         _zero1_mutant(
-            "    dp.all_gather(flat, shard.detach())\n",
+            "    dp.all_gather(flat, shard.detach())",
             "    flat.zero_()\n"
             "    flat[dist.get_rank() * S:(dist.get_rank() + 1) * S] = shard.detach()\n"
             "    mine = torch.cat([p.detach().reshape(-1) for p in params])\n"
@@ -200,7 +180,7 @@ ZERO1_MUTANTS = {
     ),
     "all_reduce": (
         _zero1_mutant(
-            "    dp.reduce_scatter(shard.grad, flat_grad)\n",
+            "    dp.reduce_scatter(shard.grad, flat_grad)",
             "    dist.all_reduce(flat_grad)\n"
             "    shard.grad.copy_(flat_grad[dist.get_rank() * S:(dist.get_rank() + 1) * S])\n",
         ),
@@ -214,8 +194,8 @@ ZERO1_MUTANTS = {
     ),
     "wrong_slice": (
         _zero1_mutant(
-            "    dp.reduce_scatter(shard.grad, flat_grad)\n",
-            "    dp.reduce_scatter(shard.grad, flat_grad.flip(0))\n",
+            "    dp.reduce_scatter(shard.grad, flat_grad)",
+            "    dp.reduce_scatter(shard.grad, flat_grad.flip(0))",
         ),
         "is wrong",
     ),
@@ -223,7 +203,7 @@ ZERO1_MUTANTS = {
 
 
 def test_zero1_accepts_reference():
-    r = check("01.zero1_step", learner(ZERO1_REFERENCE, "zero1_step"))
+    r = check("01.zero1_step", learner(ZERO1_SOLUTION, "zero1_step"))
     assert r.passed, r
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import math
 
 import torch
@@ -556,6 +558,29 @@ def _grade_zero1(fn) -> None:
             raise CheckFailed(problem)
 
 
+# The worked answer's code, written once: the working shows it and the tests derive their
+# wrong answers from it.
+ZERO1_SOLUTION = """\
+def zero1_step(params, shard, optimizer):
+    N = dist.get_world_size()
+    S = shard.numel()
+    flat_grad = torch.zeros(N * S)
+    grads = torch.cat([p.grad.reshape(-1) for p in params])
+    flat_grad[: grads.numel()] = grads
+    shard.grad = torch.empty(S)
+    dp.reduce_scatter(shard.grad, flat_grad)   # sum of my slice over the ranks
+    shard.grad /= N
+    optimizer.step()
+    flat = torch.empty(N * S)
+    dp.all_gather(flat, shard.detach())       # everyone's updated slice
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+"""
+
+
 register(
     Implementation(
         "01.zero1_step",
@@ -570,7 +595,7 @@ register(
         reduce-scatter and an all-gather (dp.reduce_scatter / dp.all_gather). Checked on 2
         and 4 ranks against 3 single-device steps of SGD with momentum (rtol 1e-4).
     """,
-        working="""
+        working=textwrap.dedent("""
         1. Flatten the local gradients into one zero-padded vector of N x S elements.
         2. Reduce-scatter it: rank r receives the **sum** over ranks of its S elements.
            Divide by N to get the average, and make it the shard's gradient.
@@ -579,30 +604,12 @@ register(
         4. All-gather the shards into the full vector and copy it back into the parameters,
            so every rank again holds the whole, identical model.
 
-        ```python
-        def zero1_step(params, shard, optimizer):
-            N = dist.get_world_size()
-            S = shard.numel()
-            flat_grad = torch.zeros(N * S)
-            grads = torch.cat([p.grad.reshape(-1) for p in params])
-            flat_grad[: grads.numel()] = grads
-            shard.grad = torch.empty(S)
-            dp.reduce_scatter(shard.grad, flat_grad)   # sum of my slice over the ranks
-            shard.grad /= N
-            optimizer.step()
-            flat = torch.empty(N * S)
-            dp.all_gather(flat, shard.detach())       # everyone's updated slice
-            offset = 0
-            with torch.no_grad():
-                for p in params:
-                    p.copy_(flat[offset: offset + p.numel()].view_as(p))
-                    offset += p.numel()
-        ```
-
+    """).strip() + "\n\n```python\n" + ZERO1_SOLUTION + "```\n\n"
+        + textwrap.dedent("""
         Bytes per rank with ring algorithms: (N-1)/N x 4P for the reduce-scatter plus
         (N-1)/N x 4P for the all-gather, the same 2(N-1)/N x 4P as the all-reduce of plain
         data parallelism. (On gloo, measured in the chapter, reduce-scatter is implemented
         as a full all-reduce, so there ZeRO-1 sends 1.5 times as much.)
-    """,
+    """),
     )
 )
