@@ -36,14 +36,15 @@ def chapter_of(path: Path) -> str | None:
 def execute(path: Path, log: Path, timeout: float = 600.0) -> str | None:
     """Run the notebook in a fresh kernel; return None, or a description of the error."""
     import nbformat
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = nbformat.read(path, as_version=4)
     saved = {k: os.environ.get(k) for k in (LOG_ENV, MODE_ENV)}
     os.environ[LOG_ENV] = str(log)
     os.environ.pop(MODE_ENV, None)
-    client = NotebookClient(
+    from parlib._nbclient import notebook_client
+
+    client = notebook_client(
         nb, timeout=timeout, kernel_name="python3", allow_errors=False,
         resources={"metadata": {"path": str(Path(path).resolve().parent)}},
     )

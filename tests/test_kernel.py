@@ -8,8 +8,9 @@ import time
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 from procutil import alive
+
+from parlib._nbclient import notebook_client
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +32,8 @@ class Kernel:
 
     def __init__(self):
         self.nb = nbformat.v4.new_notebook()
-        self.client = NotebookClient(self.nb, kernel_name="python3", timeout=120,
-                                     allow_errors=True)
+        self.client = notebook_client(self.nb, kernel_name="python3", timeout=120,
+                                      allow_errors=True)
 
     def __enter__(self):
         self._ctx = self.client.setup_kernel(cwd=os.path.dirname(__file__))
