@@ -105,6 +105,8 @@ def test(py: Path) -> int:
     for title, code, secs in results:
         print(f"{'ok  ' if code == 0 else 'FAIL'} {secs:6.0f} s  {title}")
     failed = [r for r in results if r[1] != 0]
+    passed = len(results) - len(failed)
+    print(f"steps: {passed} passed, {len(steps) - passed} failed")
     return 1 if failed or len(results) < len(steps) else 0
 
 
