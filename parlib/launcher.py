@@ -129,7 +129,6 @@ class RankGroup:
         backend: str | None = None,
         timeout: float = 60.0,
         env: dict[str, str] | None = None,
-        quiet: bool = False,
     ) -> None:
         validate_sizes(world_size, timeout)
         self.world_size = world_size
@@ -144,13 +143,12 @@ class RankGroup:
         self._partial: dict[int, bytes] = {}
         self._tmp = ""
         self.closed = True
-        self._quiet = quiet
         self._code_index: dict[str, list[tuple[str, int, int]]] = {}
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> RankGroup:
         global _announced
-        if not _announced and not self._quiet:
+        if not _announced:
             print(
                 f"parlib: {self.world_size} rank(s) on {self.plan.device_type.upper()} with "
                 f"{self.plan.backend} ({self.plan.reason}); start method "
