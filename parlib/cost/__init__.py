@@ -3,6 +3,7 @@
 - :mod:`parlib.cost.collectives`: bytes a collective sends, the alpha-beta time model.
 - :mod:`parlib.cost.pipeline`: the bubble, the ideal step time, stage-boundary bytes.
 - :mod:`parlib.cost.memory`: model-state bytes per parameter and per ZeRO stage.
+- :mod:`parlib.cost.tensor`: bytes a tensor-parallel layer all-reduces.
 
 Notebooks, checks and benchmarks import these; nothing retypes a formula.
 """
@@ -22,6 +23,7 @@ from parlib.cost.pipeline import (
     ideal_step_time,
     min_microbatches,
 )
+from parlib.cost.tensor import tp_message_bytes, tp_sent_bytes_per_layer
 
 __all__ = [
     "adam_bytes_per_param",
@@ -37,4 +39,6 @@ __all__ = [
     "model_state_bytes",
     "model_state_bytes_per_param",
     "predicted_sent_bytes",
+    "tp_message_bytes",
+    "tp_sent_bytes_per_layer",
 ]
