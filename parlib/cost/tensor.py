@@ -28,3 +28,56 @@ def tp_sent_bytes_per_layer(b: int, s: int, h: int, t: int, dtype_bytes: int = 4
 
 
 __all__ = ["ALL_REDUCES_PER_LAYER", "tp_message_bytes", "tp_sent_bytes_per_layer"]
+
+
+# --------------------------------------------------------------------------------------
+# Sequence parallelism's extra messages, and parameters per rank under t-way TP
+# --------------------------------------------------------------------------------------
+
+# Under sequence parallelism, these replicated vectors of h elements act on s/t positions
+# per rank, so their gradients are partial and are all-reduced in backward: ln1 and ln2
+# (weight and bias each), and the biases of the two row-parallel layers (attention out,
+# MLP down), added after the reduce-scatter.
+SP_PARTIAL_GRAD_VECTORS_PER_LAYER = 6
+
+
+def sp_sent_bytes_per_layer(b: int, s: int, h: int, t: int, dtype_bytes: int = 4) -> float:
+    """Bytes one rank sends per layer per step under tensor + sequence parallelism: the
+    activations (2 all-gathers + 2 reduce-scatters each way, the same bytes as the 4
+    all-reduces of plain TP) plus the all-reduce of the 6h partial parameter gradients."""
+    activations = tp_sent_bytes_per_layer(b, s, h, t, dtype_bytes)
+    vectors = SP_PARTIAL_GRAD_VECTORS_PER_LAYER * predicted_sent_bytes(
+        "all_reduce", h * dtype_bytes, t)
+    return activations + vectors
+
+
+def sp_boundary_sent_bytes(b: int, s: int, h: int, t: int, dtype_bytes: int = 4) -> float:
+    """Bytes one rank sends per step at the two ends of the split-sequence stretch: the
+    all-gather of the embedding's gradient (backward) and of the last block's output before
+    the replicated head (forward), each (t-1)/t x b*s*h*bytes."""
+    return 2 * predicted_sent_bytes("all_gather", tp_message_bytes(b, s, h, dtype_bytes), t)
+
+
+def tp_layer_params(h: int, mlp_width: int, t: int, bias: bool = True) -> dict[str, float]:
+    """Parameters one rank holds of one transformer layer under t-way TP:
+    {"split": 1/t of q, k, v, out (4h^2) and MLP up, down (2h x mlp_width), plus the biases
+    of q, k, v, up; "replicated": the biases of out and down, and two LayerNorms (4h)}."""
+    if t < 1 or h % t or mlp_width % t:
+        raise ValueError(f"t={t} must be >= 1 and divide h={h} and mlp_width={mlp_width}")
+    split = 4 * h * h + 2 * h * mlp_width + (3 * h + mlp_width if bias else 0)
+    replicated = 4 * h + (2 * h if bias else 0)
+    return {"split": split / t, "replicated": float(replicated)}
+
+
+def tp_params_per_rank(vocab: int, s: int, h: int, n_layers: int, mlp_width: int,
+                       t: int) -> float:
+    """Parameters one rank holds of the course's TinyGPT under t-way TP: the split layers'
+    1/t, plus what stays whole (token and position embeddings, final LayerNorm and the
+    vocabulary projection, and each layer's replicated vectors)."""
+    layer = tp_layer_params(h, mlp_width, t)
+    whole = vocab * h + s * h + 2 * h + h * vocab + vocab
+    return n_layers * (layer["split"] + layer["replicated"]) + whole
+
+
+__all__ += ["SP_PARTIAL_GRAD_VECTORS_PER_LAYER", "sp_boundary_sent_bytes",
+            "sp_sent_bytes_per_layer", "tp_layer_params", "tp_params_per_rank"]
