@@ -26,39 +26,11 @@ from parlib import measure
 from parlib.comm import quiet_renames
 from parlib.cost.tensor import tp_message_bytes, tp_sent_bytes_per_layer
 from parlib.model import ModelConfig, build_model, loss_fn, make_batch
-from parlib.strategies.tensor import local_shards, tensor_parallel_copy
+from parlib.strategies.tensor import local_shards, tensor_parallel_copy, torch_tensor_parallel
 from parlib.style import run_label
 
 KINDS = ("ours", "dtensor")
 TOL = 1e-5
-
-
-def dtensor_copy(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """``model`` (modified in place) split by torch's parallelize_module on a 1-D mesh."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    plan = {
-        # One DTensor input for q, k and v: their partial input gradients add up as a
-        # DTensor and are all-reduced once (our single f), not once per projection.
-        "attn": PrepareModuleInput(input_layouts=(Replicate(),),
-                                   desired_input_layouts=(Replicate(),),
-                                   use_local_output=False),
-        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(), "attn.out": RowwiseParallel(),
-        "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(),
-    }
-    for block in model.blocks:
-        parallelize_module(block, mesh, plan)
-        # Attention counts its heads from q's width; the local output is 1/t of it (the
-        # same adjustment torchtitan makes to its n_heads).
-        block.attn.q.out_features //= mesh.size()
-    return model
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -88,7 +60,7 @@ def _race(cfg, batch, rounds, steps_per_round, lr=0.1):
     t = dist.get_world_size()
     mesh = init_device_mesh(dev.type, (t,))
     models = {"ours": tensor_parallel_copy(build_model(cfg).to(dev)),
-              "dtensor": dtensor_copy(build_model(cfg).to(dev), mesh)}
+              "dtensor": torch_tensor_parallel(build_model(cfg).to(dev), mesh)}
     opts = {k: torch.optim.SGD(m.parameters(), lr=lr) for k, m in models.items()}
 
     # single-device reference: logits of step 0, parameters after two steps

@@ -81,3 +81,34 @@ def tp_params_per_rank(vocab: int, s: int, h: int, n_layers: int, mlp_width: int
 
 __all__ += ["SP_PARTIAL_GRAD_VECTORS_PER_LAYER", "sp_boundary_sent_bytes",
             "sp_sent_bytes_per_layer", "tp_layer_params", "tp_params_per_rank"]
+
+
+# --------------------------------------------------------------------------------------
+# Activation memory
+# --------------------------------------------------------------------------------------
+
+
+def megatron_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
+                                        sequence_parallel: bool = False) -> float:
+    """Activation bytes one rank stores per transformer layer for backward, 16-bit
+    activations with dropout, no recomputation (Korthikanti et al. 2022, Table 2):
+    sbh(34 + 5as/h) on one device; sbh(10 + 24/t + 5as/(ht)) under t-way TP (the 10
+    are the LayerNorm and dropout activations every rank keeps whole); and
+    sbh/t (34 + 5as/h) with sequence parallelism as well. ``a`` is the number of heads."""
+    sbh = s * b * h
+    if sequence_parallel:
+        return sbh / t * (34 + 5 * a * s / h)
+    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def layernorm_saved_bytes_per_layer(b: int, s: int, h: int, t: int = 1,
+                                    sequence_parallel: bool = False,
+                                    dtype_bytes: int = 4) -> float:
+    """Bytes the two LayerNorms of one course TinyGPT block keep for backward on each rank:
+    their input (b*s*h) and each position's mean and 1/std (2*b*s). Tensor parallelism
+    leaves them whole; sequence parallelism runs them on s/t positions."""
+    positions = s / t if sequence_parallel else s
+    return 2 * (b * positions * h + 2 * b * positions) * dtype_bytes
+
+
+__all__ += ["layernorm_saved_bytes_per_layer", "megatron_activation_bytes_per_layer"]

@@ -12,6 +12,7 @@ row-parallel layer) and one backward (f, before the column-parallel layer) per p
 - :func:`tensor_parallel_copy`: the shared TinyGPT split over a group of t ranks (attention
   by heads, MLP up by columns and down by rows; embeddings, LayerNorms and head replicated),
   optionally with sequence parallelism (Korthikanti et al. 2022).
+- :func:`torch_tensor_parallel`: the same split with PyTorch's ``parallelize_module``.
 - :func:`local_shards`: this rank's piece of any full tensor, by parameter name, to compare
   a copy's parameters or gradients with the single-device model's.
 
@@ -272,6 +273,38 @@ def tensor_parallel_copy(model: TinyGPT, group: Any = None,
     return TensorParallelGPT(model, group, sequence_parallel)
 
 
+def torch_tensor_parallel(model: TinyGPT, mesh: Any) -> TinyGPT:
+    """PyTorch's own version of :func:`tensor_parallel_copy`: ``model`` (changed in place)
+    split by ``parallelize_module`` with ColwiseParallel / RowwiseParallel over a 1-D
+    DeviceMesh. Its weights become DTensors; the forward is TinyGPT's."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    t = mesh.size()
+    _check_divides(t, model.cfg.n_heads, "n_heads")
+    plan = {
+        # One DTensor input for q, k and v: their partial input gradients add up as a
+        # DTensor and are all-reduced once (our single f), not once per projection.
+        "attn": PrepareModuleInput(input_layouts=(Replicate(),),
+                                   desired_input_layouts=(Replicate(),),
+                                   use_local_output=False),
+        "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(), "attn.out": RowwiseParallel(),
+        "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(),
+    }
+    for block in model.blocks:
+        parallelize_module(block, mesh, plan)
+        # Attention counts its heads from q's width, and q's local output is 1/t of it
+        # (torchtitan makes the same adjustment to its n_heads).
+        block.attn.q.out_features //= t
+    return model
+
+
 def local_shards(tp_model: nn.Module, full: dict[str, torch.Tensor],
                  group: Any = None) -> dict[str, torch.Tensor]:
     """This rank's piece of each full tensor in ``full`` (keyed by parameter name, as
@@ -301,4 +334,5 @@ __all__ = [
     "local_shards",
     "tensor_parallel_block",
     "tensor_parallel_copy",
+    "torch_tensor_parallel",
 ]

@@ -58,7 +58,9 @@ def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()  # (s/t, b, h)
     out = front.new_empty((t * front.shape[0], *front.shape[1:]))  # (s, b, h)
     comm.all_gather(out, front, group=group)
-    return out.movedim(0, dim)
+    # One contiguous copy here; a strided view would be copied again by every matmul that
+    # reads it (q, k and v) and each copy kept for backward.
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
