@@ -242,3 +242,46 @@ def test_bad_t_names_the_problem():
 def test_outside_a_process_group_is_a_clear_error():
     with pytest.raises(RuntimeError, match="process group"):
         ColumnParallelLinear.from_linear(torch.nn.Linear(4, 4))
+
+
+def _saved_bytes_per_block(sequence_parallel):
+    from parlib.measure import SavedActivations
+
+    torch.set_num_threads(1)
+    tp = tensor_parallel_copy(build_model(CFG), sequence_parallel=sequence_parallel)
+    x, _ = make_batch(B, CFG, 0)
+    with torch.no_grad():
+        h = tp.embed(x)
+    if sequence_parallel:
+        h = tensor_ops.scatter_to_sequence_parallel_region(h)
+    with SavedActivations(tp) as saved:
+        tp.blocks[0](h.requires_grad_())
+    return saved.nbytes
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_sequence_parallel_divides_layernorm_activations_by_t(t):
+    from parlib.cost.tensor import layernorm_saved_bytes_per_layer
+
+    tp = parlib.launch(_saved_bytes_per_block, False, world_size=t)[0]
+    sp = parlib.launch(_saved_bytes_per_block, True, world_size=t)[0]
+    s, h = CFG.seq_len, CFG.d_model
+    assert tp - sp == (layernorm_saved_bytes_per_layer(B, s, h, t)
+                       - layernorm_saved_bytes_per_layer(B, s, h, t, sequence_parallel=True))
+
+
+def _torch_tp_logits():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parlib.strategies.tensor import torch_tensor_parallel
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = torch_tensor_parallel(build_model(CFG), mesh)
+    ours = tensor_parallel_copy(build_model(CFG))
+    x, _ = make_batch(B, CFG, 0)
+    return rel_err(model(x).detach(), ours(x).detach())
+
+
+def test_torch_parallelize_module_plan_gives_the_same_logits():
+    assert parlib.launch(_torch_tp_logits, world_size=2)[0] < TOL
