@@ -90,7 +90,7 @@ def test(py: Path) -> int:
          {"PARLIB_CHECK_MODE": "expect-fail",
           "PARLIB_CHECK_LOG": str(log_dir / "exercises.jsonl")}),
         ("every declared question reported in both runs",
-         [py, "-m", "parlib.grading", "--verify-logs", str(log_dir / "solutions.jsonl"),
+         [py, "-m", "parlib.course.grading", "--verify-logs", str(log_dir / "solutions.jsonl"),
           str(log_dir / "exercises.jsonl")], {}),
     ]
     results = []

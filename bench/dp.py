@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 import parlib
-from parlib import dp, measure
-from parlib.model import ModelConfig
-from parlib.style import run_label
+from parlib import measure, verify
+from parlib.model import ModelConfig, train_step
+from parlib.plots import run_label
+from parlib.strategies import data as dp
 
 KINDS = ("naive", "bucketed", "overlapped", "ddp")
 
@@ -30,13 +31,13 @@ def _race(kinds, cfg, global_batch, rounds, steps_per_round, bucket_mb):
     """On each rank: check every strategy against single-device, then time them in rounds."""
     rank = dist.get_rank()
     dev = parlib.device()
-    ref = dp.reference_params(cfg, steps=2, global_batch=global_batch, device=dev)
+    ref = verify.reference_params(cfg, steps=2, global_batch=global_batch, device=dev)
     setups = {k: dp.setup(k, cfg, bucket_mb=bucket_mb, device=dev) for k in kinds}
     for k, (model, opt, sync) in setups.items():
         for step in range(2):
             x, y = dp.local_batch(global_batch, cfg, step, device=dev)
-            dp.train_step(model, opt, x, y, sync)
-        err = dp.max_abs_diff(model.parameters(), ref)
+            train_step(model, opt, x, y, sync)
+        err = verify.max_abs_diff(model.parameters(), ref)
         if err > 1e-5:
             raise AssertionError(f"{k}: parameters differ from single-device by {err:.3g}")
     x, y = dp.local_batch(global_batch, cfg, 0, device=dev)
@@ -44,7 +45,7 @@ def _race(kinds, cfg, global_batch, rounds, steps_per_round, bucket_mb):
     for _ in range(rounds):
         for k, (model, opt, sync) in setups.items():
             t = measure.time_it(
-                lambda: dp.train_step(model, opt, x, y, sync),
+                lambda: train_step(model, opt, x, y, sync),
                 repeats=steps_per_round,
                 warmup=1,
                 device=dev,

@@ -15,11 +15,12 @@ import statistics
 import time
 
 import parlib
-from parlib import pipeline as P
-from parlib import schedules as S
+from parlib import cost, verify
+from parlib.measure.emulation import StageCost
+from parlib.measure.timeline import align, makespan, measured_bubble
 from parlib.model import ModelConfig
-from parlib.style import run_label
-from parlib.timeline import align, makespan, measured_bubble
+from parlib.plots import run_label
+from parlib.strategies import pipeline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,29 +35,28 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     cfg = ModelConfig()
-    cost = P.StageCost(args.t_f, args.t_b)
-    ref = P.reference(cfg, 0, args.batch)
+    stage_cost = StageCost(args.t_f, args.t_b)
+    ref = verify.reference_step(cfg, seed=0, batch_size=args.batch)
     rows = []
     label = None
     t_start = time.perf_counter()
     for name in args.schedules:
         for m in args.ms:
-            res = parlib.launch(P.rank_step, cfg, schedule_name=name, m=m,
-                                batch_size=args.batch, cost=cost, repeats=args.repeats,
+            res = parlib.launch(pipeline.rank_step, cfg, schedule_name=name, m=m,
+                                batch_size=args.batch, cost=stage_cost, repeats=args.repeats,
                                 world_size=args.p, timeout=300)
-            got = P.gather_grads(res)
-            if not P.grads_close(got, ref["grads"]):
-                err, where = P.compare_grads(got, ref["grads"])
-                raise SystemExit(f"{name} m={m}: gradients differ from single device "
-                                 f"({where}: {err:.3g})")
+            got = pipeline.gather_grads(res)
+            same = verify.compare(got, ref["grads"])
+            if not same:
+                raise SystemExit(f"{name} m={m}: gradients {same}")
             label = run_label(args.p, res[0]["device"], res[0]["backend"], emulated=True)
             runs = [align([r["spans"][k] for r in res]) for k in range(args.repeats)]
             times = [makespan(s) for s in runs]
             med = statistics.median(times)
-            theory = S.ideal_step_time(args.p, m, cost.per_microbatch)
+            theory = cost.ideal_step_time(args.p, m, stage_cost.per_microbatch)
             bubble = statistics.median(measured_bubble(s) for s in runs)
             rows.append((name, m, theory, med, med / theory, bubble,
-                         S.bubble_fraction(args.p, m)))
+                         cost.bubble_fraction(args.p, m)))
     print(f"\npipeline step time, {label}: t_f = {args.t_f * 1e3:g} ms, "
           f"t_b = {args.t_b * 1e3:g} ms, median of {args.repeats} after 1 warm-up step")
     print(f"{'schedule':<9}{'m':>3}{'theory ms':>11}{'measured ms':>13}{'ratio':>7}"

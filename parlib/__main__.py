@@ -20,11 +20,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "doctor":
-        from parlib.doctor import main as run
+        from parlib.runtime.doctor import main as run
     elif command == "build":
-        from parlib.nbbuild import main as run
+        from parlib.course.nbbuild import main as run
     elif command == "grade":
-        from parlib.grading import main as run
+        from parlib.course.grading import main as run
     else:
         print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2

@@ -19,7 +19,9 @@ import torch.distributed as dist
 _REDUCE_SCATTER = (
     "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 )
-_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_ALL_GATHER = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any = None,

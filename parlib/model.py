@@ -6,7 +6,9 @@ into pipeline stages (consecutive blocks) or shard the matrices inside a block.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -162,11 +164,34 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def count_parameters(model: nn.Module) -> int:
+    """P: the number of parameters (the elements of every weight and bias)."""
     return sum(p.numel() for p in model.parameters())
 
 
-def param_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+def make_optimizer(params: Iterable[torch.Tensor], name: str = "sgd",
+                   lr: float = 0.1) -> torch.optim.Optimizer:
+    """``"sgd"`` (plain SGD: a wrong gradient shows up directly in the weights) or
+    ``"adam"``."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    raise ValueError(f"optimizer must be 'sgd' or 'adam', got {name!r}")
+
+
+def train_step(model: nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor,
+               sync: Callable[[], Any] | None = None) -> float:
+    """zero_grad, forward, backward, ``sync()`` (gradient pooling, if any), step.
+
+    Returns the loss as a float.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    if sync is not None:
+        sync()
+    optimizer.step()
+    return loss.item()
 
 
 __all__ = [
@@ -177,5 +202,6 @@ __all__ = [
     "make_batch",
     "loss_fn",
     "count_parameters",
-    "param_bytes",
+    "make_optimizer",
+    "train_step",
 ]

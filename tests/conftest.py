@@ -1,9 +1,4 @@
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))  # rank_fns, procutil
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,7 +15,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def clean_checks(monkeypatch):
     """No check mode or log from the environment, and an empty score table, around a test."""
-    from parlib.checking import check
+    from parlib.course.check import check
 
     monkeypatch.delenv("PARLIB_CHECK_MODE", raising=False)
     monkeypatch.delenv("PARLIB_CHECK_LOG", raising=False)

@@ -1,8 +1,9 @@
 """environment.yml and pyproject.toml must name the same packages, so they cannot drift."""
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

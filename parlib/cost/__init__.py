@@ -2,8 +2,17 @@
 
 - :mod:`parlib.cost.collectives`: bytes a collective sends, the alpha-beta time model.
 - :mod:`parlib.cost.pipeline`: the bubble, the ideal step time, stage-boundary bytes.
-- :mod:`parlib.cost.memory`: model-state bytes per parameter and per ZeRO stage.
+- :mod:`parlib.cost.memory`: model-state bytes per parameter and per ZeRO stage,
+  activation bytes per layer.
 - :mod:`parlib.cost.tensor`: bytes a tensor-parallel layer all-reduces.
+
+Built on them, the chapter 05 cost model:
+
+- :mod:`parlib.cost.model`: ``Model``, a transformer's parameter count and FLOPs per token.
+- :mod:`parlib.cost.hardware`: ``Cluster`` and ``Link``, presets with their sources.
+- :mod:`parlib.cost.estimate`: ``estimate``, memory and step time of one layout d x t x p.
+- :mod:`parlib.cost.planner`: ``plan``, the fastest layouts that fit, with reasons.
+- :mod:`parlib.cost.published`: published runs to hold the model against.
 
 Notebooks, checks and benchmarks import these; nothing retypes a formula.
 """
@@ -13,31 +22,55 @@ from parlib.cost.collectives import (
     collective_time,
     fit_alpha_beta,
     message_time,
+    per_link_alpha_beta,
     predicted_sent_bytes,
 )
-from parlib.cost.memory import adam_bytes_per_param, model_state_bytes, model_state_bytes_per_param
+from parlib.cost.estimate import Estimate, estimate
+from parlib.cost.hardware import Cluster, Link
+from parlib.cost.memory import (
+    activation_bytes_per_layer,
+    adam_bytes_per_param,
+    logits_bytes,
+    model_state_bytes,
+    model_state_bytes_by_kind,
+    model_state_bytes_per_param,
+)
+from parlib.cost.model import Model
 from parlib.cost.pipeline import (
     boundary_bytes,
     bubble_fraction,
     bubble_ratio,
     ideal_step_time,
+    in_flight_microbatches,
     min_microbatches,
 )
+from parlib.cost.planner import plan
 from parlib.cost.tensor import tp_message_bytes, tp_sent_bytes_per_layer
 
 __all__ = [
+    "Cluster",
+    "Estimate",
+    "Link",
+    "Model",
+    "activation_bytes_per_layer",
     "adam_bytes_per_param",
     "boundary_bytes",
     "bubble_fraction",
     "bubble_ratio",
     "bus_bandwidth",
     "collective_time",
+    "estimate",
     "fit_alpha_beta",
     "ideal_step_time",
+    "in_flight_microbatches",
+    "logits_bytes",
     "message_time",
     "min_microbatches",
     "model_state_bytes",
+    "model_state_bytes_by_kind",
     "model_state_bytes_per_param",
+    "per_link_alpha_beta",
+    "plan",
     "predicted_sent_bytes",
     "tp_message_bytes",
     "tp_sent_bytes_per_layer",

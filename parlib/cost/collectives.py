@@ -82,5 +82,15 @@ def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> tu
     return (r0 * s2 - r1 * s1) / det, (s0 * r1 - s1 * r0) / det
 
 
+def per_link_alpha_beta(a: float, b: float, n: int) -> tuple[float, float]:
+    """Undo a ring all-reduce fit: the line a + b x n_bytes fitted to all-reduce times on
+    ``n`` ranks has a = 2(n-1) alpha and b = 2(n-1)/n beta; returns (alpha, beta) of one
+    link, read off :func:`collective_time` so the ring formula stays in one place."""
+    if n < 2:
+        raise ValueError(f"an all-reduce fit needs n >= 2 ranks, got n={n!r}")
+    return (a / collective_time("all_reduce", 0.0, n, 1.0, 0.0),
+            b / predicted_sent_bytes("all_reduce", 1.0, n))
+
+
 __all__ = ["bus_bandwidth", "collective_time", "fit_alpha_beta", "message_time",
-           "predicted_sent_bytes"]
+           "per_link_alpha_beta", "predicted_sent_bytes"]

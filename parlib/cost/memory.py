@@ -5,6 +5,9 @@ that is 4 + 4 + 8 = 16 bytes. In mixed precision it is 2 (bf16 weight) + 2 (bf16
 gradient) + 12 (fp32 master weight and two fp32 moments) = 16 bytes too; the 12 are
 the optimizer state ZeRO-1 shards. ZeRO stage 1 shards the optimizer state over the N
 data-parallel ranks, stage 2 also the gradients, stage 3 also the weights.
+
+Then activations: the bytes a transformer layer keeps for its backward pass (Korthikanti et
+al. 2022), with tensor and sequence parallelism and recomputation, and the output logits.
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ def adam_bytes_per_param(mixed_precision: bool = False) -> int:
     return sum(model_state_bytes_per_param(mixed_precision).values())
 
 
+def model_state_bytes_by_kind(n_params: float, world_size: int = 1, zero_stage: int = 0,
+                              mixed_precision: bool = False) -> dict[str, float]:
+    """Model-state bytes per rank by kind, {"params", "grads", "optimizer"}, with Adam under
+    ZeRO stage 0-3 over ``world_size`` data-parallel ranks: stage 1 shards the optimizer
+    state, stage 2 also the gradients, stage 3 also the weights."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
+    per = model_state_bytes_per_param(mixed_precision)
+    sharded_from = {"optimizer": 1, "grads": 2, "params": 3}
+    return {kind: per[kind] * n_params / (world_size if zero_stage >= stage else 1)
+            for kind, stage in sharded_from.items()}
+
+
 def model_state_bytes(n_params: float, world_size: int = 1, zero_stage: int = 0,
                       mixed_precision: bool = False) -> float:
     """Model-state bytes per rank with Adam under ZeRO stage 0-3 over ``world_size`` ranks.
@@ -29,14 +47,67 @@ def model_state_bytes(n_params: float, world_size: int = 1, zero_stage: int = 0,
     fp32: 16P unsharded; stage 1 gives 8P + 8P/N, stage 2 4P + 12P/N, stage 3 16P/N.
     Mixed precision: stage 1 gives 4P + 12P/N.
     """
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size!r}")
-    per = model_state_bytes_per_param(mixed_precision)
-    sharded_from = {"optimizer": 1, "grads": 2, "params": 3}
-    return sum(per[kind] * n_params / (world_size if zero_stage >= stage else 1)
-               for kind, stage in sharded_from.items())
+    return sum(model_state_bytes_by_kind(n_params, world_size, zero_stage,
+                                         mixed_precision).values())
 
 
-__all__ = ["adam_bytes_per_param", "model_state_bytes", "model_state_bytes_per_param"]
+# Activations: what a transformer layer keeps for its backward pass. Korthikanti et al. 2022,
+# "Reducing Activation Recomputation in Large Transformer Models", Sec. 4 (Table 2).
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_heads: int, *,
+                               t: int = 1, sequence_parallel: bool = False,
+                               recompute: str = "none", dtype_bytes: int = 2,
+                               dropout: bool = True, ffn_dim: int | None = None,
+                               kv_dim: int | None = None, gated_mlp: bool = False) -> float:
+    """Bytes one transformer layer stores for backward, per microbatch, on one of t ranks.
+
+    Assumes activations of ``dtype_bytes`` each (2: the paper's 16-bit; 4 for fp32) and
+    1-byte dropout masks. For a GPT layer (MLP 4h, no grouped KV, dropout) this is the
+    paper's formula: s*b*h*(34 + 5*a*s/h) for 16-bit on one device, of which
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)) on each of t tensor-parallel ranks, all of it / t with
+    sequence parallelism. Term by term (s*b*h elements each unless said):
+
+    - not split by tensor parallelism (split by sequence parallelism): the inputs of the two
+      norms, the inputs of attention and MLP, two dropout masks (bytes): 4 elements + 2 bytes;
+    - split t ways: Q, K, V (K and V of width ``kv_dim``), attention output, and the MLP's
+      two (gated: three) hidden tensors of width ``ffn_dim``;
+    - the a*s*s*b attention scores: softmax output, with dropout also its mask and output.
+
+    ``recompute``: "selective" recomputes the scores in backward (they are not stored; this
+    is also what FlashAttention does), "full" stores only the layer input, 2*s*b*h bytes at
+    16 bit (/ t with sequence parallelism), and reruns the layer's forward in backward.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
+                        ("d_model", d_model), ("n_heads", n_heads), ("t", t),
+                        ("dtype_bytes", dtype_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
+    s, b, h, a = seq_len, micro_batch, d_model, n_heads
+    f = 4 * h if ffn_dim is None else ffn_dim
+    kv = h if kv_dim is None else kv_dim
+    mask = 1 if dropout else 0
+    seq_split = t if sequence_parallel else 1
+    if recompute == "full":
+        return s * b * h * dtype_bytes / seq_split
+    replicated = s * b * h * (4 * dtype_bytes + 2 * mask)
+    split = s * b * (2 * h + 2 * kv + (3 if gated_mlp else 2) * f) * dtype_bytes
+    scores = 0 if recompute == "selective" else a * s * s * b * (
+        dtype_bytes + mask * (dtype_bytes + 1))
+    return replicated / seq_split + (split + scores) / t
+
+
+def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
+                 dtype_bytes: int = 2) -> float:
+    """Bytes of the output layer's logits for one microbatch on one of t ranks (vocabulary
+    split t ways): the (b, s, V) logits in the activation dtype plus the fp32 copy the
+    cross-entropy keeps. Large for big vocabularies: 8192 x 128000 x 6 bytes is 6.3 GB."""
+    return seq_len * micro_batch * vocab_size * (dtype_bytes + 4) / t
+
+
+__all__ = ["RECOMPUTE_MODES", "activation_bytes_per_layer", "adam_bytes_per_param", "logits_bytes",
+           "model_state_bytes", "model_state_bytes_by_kind", "model_state_bytes_per_param"]

@@ -1,7 +1,8 @@
 """Pipeline formulas: the bubble, the ideal step time, the bytes crossing a boundary.
 
 p stages, m microbatches per step, v model chunks per rank (interleaved schedules).
-GPipe and 1F1B keep each stage busy m of the m + p - 1 slots of a step.
+GPipe and 1F1B keep each stage busy m of the m + p - 1 slots of a step; 1F1B also caps
+the microbatches a stage holds in flight at p.
 """
 
 from __future__ import annotations
@@ -41,6 +42,21 @@ def min_microbatches(p: int, max_bubble: float, v: int = 1) -> int:
     return m
 
 
+def in_flight_microbatches(p: int, m: int, v: int = 1) -> int:
+    """Microbatches whose activations the first stage holds at once under 1F1B: min(p, m).
+
+    Interleaved (v > 1) this counts model chunks of L/(p*v) layers each: the warm-up
+    forwards of Megatron-LM's interleaved schedule (schedules.py: 2(p-1) + (v-1)p on the
+    first stage) plus one, at most v*m. Once m >= p that is the activations of
+    L(1 + (p-1)/(p*v)) layers, a little more than the L of plain 1F1B.
+    """
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"need p, m, v >= 1, got p={p}, m={m}, v={v}")
+    if v == 1:
+        return min(p, m)
+    return min(v * m, 2 * (p - 1) + (v - 1) * p + 1)
+
+
 def boundary_bytes(batch: int, seq_len: int, d_model: int, dtype_bytes: int = 4) -> int:
     """Bytes one stage boundary carries per step in each direction: the (b, s, h) hidden
     states forward, and a gradient of the same shape backward."""
@@ -48,4 +64,4 @@ def boundary_bytes(batch: int, seq_len: int, d_model: int, dtype_bytes: int = 4)
 
 
 __all__ = ["boundary_bytes", "bubble_fraction", "bubble_ratio", "ideal_step_time",
-           "min_microbatches"]
+           "in_flight_microbatches", "min_microbatches"]

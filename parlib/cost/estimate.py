@@ -1,0 +1,292 @@
+"""Memory per device and time per step of one layout d x t x p, from the formulas of this
+package: does it fit, how long does a step take, and where does the time go.
+
+Rank order (as Megatron-LM and torchtitan): tensor-parallel rank varies fastest, then the
+data-parallel rank, pipeline stage outermost. So a TP group is t adjacent ranks (in one
+node when t divides devices_per_node), a DP group spans t x d ranks and a pipeline spans
+all of them; a group is charged the slowest link inside it (:meth:`Cluster.link_for`).
+
+What the model assumes, in one place:
+
+- Compute is spread evenly over devices at ``peak_flops x compute_efficiency``; full
+  recomputation adds the layers' forward, selective the attention scores'.
+- Tensor parallelism: 2 all-reduces of (b, s, h) per layer forward, 2 backward (one more
+  forward's worth with full recomputation), on the critical path. Sequence parallelism
+  (default on) moves the same bytes and splits the norms' activations too.
+- Pipeline: 1F1B, interleaved over v model chunks per rank when v > 1; the bubble is
+  bubble_fraction(p, m, v) of the step; each of the v*m + p - 1 slots sends one boundary
+  forward and one back, 1/t of it per TP rank (Megatron's scatter/gather). The first stage
+  holds in_flight_microbatches(p, m, v) microbatches (chunks) of activations.
+- Data parallelism: the gradient sync (ZeRO-1/2: reduce-scatter + all-gather, ZeRO-3: both
+  per microbatch) overlaps the backward of the last microbatch (all compute for ZeRO-3).
+  The rest of it is exposed.
+- Memory is that of the worst stage: first (embedding, most in flight) or last (output
+  layer and its logits). Nothing is charged for framework buffers or fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parlib.cost.collectives import collective_time, message_time, predicted_sent_bytes
+from parlib.cost.hardware import GB, Cluster
+from parlib.cost.memory import activation_bytes_per_layer, logits_bytes, model_state_bytes_by_kind
+from parlib.cost.model import Model
+from parlib.cost.pipeline import boundary_bytes, bubble_fraction, in_flight_microbatches
+from parlib.cost.tensor import ALL_REDUCES_PER_LAYER, tp_message_bytes, tp_sent_bytes_per_layer
+
+RECOMPUTE = (False, "selective", True)  # True means full recomputation
+STEP_PARTS = ("compute", "tp_comm", "pp_bubble", "pp_send", "dp_sync")  # they sum to a step
+MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "pipeline_in_flight")
+
+
+@dataclass
+class Estimate:
+    """One layout's predicted memory (bytes per device) and time (seconds per step).
+
+    ``memory`` holds bytes per device of the worst pipeline stage (``stage``): params,
+    grads, optimizer, activations (one microbatch), pipeline_in_flight (the others held).
+    ``time`` holds the parts of a step, which add up to ``step_time``: compute, tp_comm,
+    pp_bubble, pp_send and dp_sync (the exposed part of the gradient sync), and beside
+    them dp_sync_total and dp_sync_hidden (the part that overlaps backward).
+    ``bytes_sent`` (per device per step) and ``links`` ("intra-node", "inter-node" or
+    "none") are keyed "tp", "pp", "dp".
+    """
+
+    model: Model = field(repr=False)
+    cluster: Cluster = field(repr=False)
+    d: int
+    t: int
+    p: int
+    m: int
+    v: int
+    global_batch: int
+    zero: int
+    recompute: bool | str
+    micro_batch: int
+    memory: dict[str, float]
+    time: dict[str, float]
+    bytes_sent: dict[str, float]
+    links: dict[str, str]
+    stage: str
+    model_flops: float
+    hardware_flops: float
+    reason: str = field(default="")
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory[k] for k in MEMORY_PARTS)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_total <= self.cluster.memory_bytes
+
+    @property
+    def step_time(self) -> float:
+        return sum(self.time[k] for k in STEP_PARTS)
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: the model's training FLOPs (recomputation not counted)
+        per second, over the devices' peak."""
+        return self.model_flops / (self.step_time * self.cluster.n_devices
+                                   * self.cluster.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: as ``mfu`` but counting recomputed FLOPs too."""
+        return self.mfu * self.hardware_flops / self.model_flops
+
+    @property
+    def inter_node_bytes(self) -> float:
+        """Bytes one device sends per step over inter-node links."""
+        return sum(v for k, v in self.bytes_sent.items() if self.links[k] == "inter-node")
+
+    @property
+    def layout(self) -> str:
+        return f"d={self.d} t={self.t} p={self.p}" + (f" v={self.v}" if self.v > 1 else "")
+
+    def describe(self) -> str:
+        """One line: fits or not (by how much), and what the step is bound by."""
+        used = f"{self.memory_total / GB:.1f} of {self.cluster.memory_bytes / GB:.0f} GB"
+        if not self.fits:
+            biggest = max(MEMORY_PARTS, key=self.memory.get)
+            return f"does not fit: {used} ({biggest} {self.memory[biggest] / GB:.1f} GB)"
+        part = max(STEP_PARTS, key=self.time.get)
+        return (f"fits ({used}); step {self.step_time:.3g} s, "
+                f"{self.time[part] / self.step_time:.0%} {part}")
+
+    def __str__(self) -> str:
+        rc = {False: "", "selective": ", selective recompute", True: ", full recompute"}
+        zero = f", ZeRO-{self.zero}" if self.zero else ""
+        return (f"{self.layout} m={self.m}{zero}{rc[self.recompute]}: "
+                f"{self.memory_total / GB:.1f} GB, step {self.step_time:.3g} s, "
+                f"MFU {self.mfu:.0%}" + (f" ({self.reason})" if self.reason else ""))
+
+
+def estimate(model: Model, cluster: Cluster, *, d: int, t: int, p: int, m: int,
+             global_batch: int, zero: int = 0, recompute: bool | str = False, v: int = 1,
+             sequence_parallel: bool = True, mixed_precision: bool = True) -> Estimate:
+    """Predict one layout: d data-parallel x t tensor-parallel x p pipeline ranks, m
+    microbatches per step per data-parallel rank, ``global_batch`` sequences per step,
+    v model chunks per pipeline rank (v > 1: the interleaved schedule).
+
+    ``recompute``: False, "selective" (attention scores recomputed, as FlashAttention) or
+    True (full). ``mixed_precision``: bf16 activations and messages with fp32 Adam state
+    (16 bytes per parameter); False is fp32 throughout, as the course's CPU runs.
+    Raises ValueError naming the problem for a layout that cannot exist.
+    """
+    check_inputs(model, cluster)
+    for name, value in (("d", d), ("t", t), ("p", p), ("m", m), ("v", v),
+                        ("global_batch", global_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if d * t * p != cluster.n_devices:
+        raise ValueError(f"d x t x p = {d} x {t} x {p} = {d * t * p}, but the cluster has "
+                         f"{cluster.n_devices} devices")
+    if model.n_heads % t:
+        raise ValueError(f"t = {t} does not divide the model's {model.n_heads} attention heads")
+    if model.n_layers % p:
+        raise ValueError(f"p = {p} does not divide the model's {model.n_layers} layers")
+    if v > 1 and p == 1:
+        raise ValueError(f"v = {v} model chunks per rank need a pipeline (p > 1)")
+    if (model.n_layers // p) % v:
+        raise ValueError(f"v = {v} does not divide the {model.n_layers // p} layers per stage")
+    if v > 1 and m % p:
+        raise ValueError(f"the interleaved schedule (v = {v}) needs m a multiple of p; got "
+                         f"m = {m}, p = {p}")
+    if global_batch % (d * m):
+        raise ValueError(f"global_batch = {global_batch} is not divisible by d x m = {d} x {m}"
+                         f" = {d * m}: each data-parallel rank runs m equal microbatches")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if not any(recompute is r for r in RECOMPUTE):
+        raise ValueError(f"recompute must be False, 'selective' or True, got {recompute!r}")
+    est = _evaluate(model, cluster, d, t, p, m, v, global_batch, zero, recompute,
+                    sequence_parallel, mixed_precision)
+    est.reason = est.describe()
+    return est
+
+
+def check_inputs(model: Model, cluster: Cluster) -> None:
+    """A clear error when the model or cluster is of the wrong kind."""
+    if not isinstance(model, Model):
+        raise ValueError(f"model must be a parlib.cost.Model, got {type(model).__name__} "
+                         f"(for the course's ModelConfig use Model.from_config(cfg))")
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be a parlib.cost.Cluster, got {type(cluster).__name__}"
+                         f" (parlib.Cluster runs ranks; parlib.cost.Cluster describes hardware)")
+
+
+def _evaluate(model: Model, cluster: Cluster, d: int, t: int, p: int, m: int, v: int,
+              global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
+              mixed_precision: bool) -> Estimate:
+    """The estimate, inputs already checked (the planner calls this directly)."""
+    s, h, L = model.seq_len, model.d_model, model.n_layers
+    n = cluster.n_devices
+    b = global_batch // (d * m)
+    act_bytes = 2 if mixed_precision else 4
+    full = recompute is True
+    spans = {"tp": t, "dp": t * d, "pp": n}
+    links = {k: cluster.link_for(span) for k, span in spans.items()}
+
+    # ---- memory of the first and of the last stage; keep the larger
+    layers = L // p
+    layer_params = layers * model.layer_params
+    tied_copy = model.vocab_size * h if model.tied_embeddings and p > 1 else 0
+    if p == 1:
+        stages = {"only": layer_params + model.embedding_params + model.head_params}
+    else:
+        stages = {"first": layer_params + model.embedding_params,
+                  "last": layer_params + model.head_params + tied_copy}
+    mode = {False: "none", "selective": "selective", True: "full"}[recompute]
+    per_layer = activation_bytes_per_layer(
+        s, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
+        recompute=mode, dtype_bytes=act_bytes, dropout=model.dropout, ffn_dim=model.ffn_dim,
+        kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
+    working = 0.0
+    if full:  # the layer being recomputed holds its whole activations during its backward
+        working = activation_bytes_per_layer(
+            s, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
+            dtype_bytes=act_bytes, dropout=model.dropout, ffn_dim=model.ffn_dim,
+            kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
+    logits = logits_bytes(s, b, model.vocab_size, t=t, dtype_bytes=act_bytes)
+    candidates = []
+    for stage, params in stages.items():
+        states = model_state_bytes_by_kind(params / t, d, zero, mixed_precision)
+        # layers' worth of activations held: one microbatch through the stage, or all in flight
+        held = in_flight_microbatches(p, m, v) * layers // v if stage == "first" else layers
+        states["activations"] = layers * per_layer + working + (
+            logits if stage != "first" else 0.0)
+        states["pipeline_in_flight"] = (held - layers) * per_layer
+        candidates.append((sum(states.values()), stage, params / t,
+                           {k: states[k] for k in MEMORY_PARTS}))
+    _, stage, params_per_device, memory = max(candidates, key=lambda c: c[0])
+
+    # ---- FLOPs and compute time
+    tokens = global_batch * s
+    model_flops = model.flops_per_token * tokens
+    extra = {False: 0, "selective": model.attention_flops_per_token,
+             True: model.layers_forward_flops_per_token}[recompute]
+    hardware_flops = model_flops + extra * tokens
+    compute = hardware_flops / n / (cluster.peak_flops * cluster.compute_efficiency)
+
+    # ---- tensor parallelism: all-reduces of (b, s, h) per layer, every microbatch
+    passes = ("forward", "backward") + (("forward",) if full else ())
+    tp_comm = tp_bytes = 0.0
+    if t > 1:
+        per_layer_count = sum(ALL_REDUCES_PER_LAYER[x] for x in passes)
+        one_all_reduce = collective_time("all_reduce", tp_message_bytes(b, s, h, act_bytes),
+                                         t, links["tp"].alpha, links["tp"].beta)
+        tp_comm = m * layers * per_layer_count * one_all_reduce
+        tp_bytes = m * layers * tp_sent_bytes_per_layer(b, s, h, t, act_bytes, passes)
+
+    # ---- pipeline: bubble and boundary sends
+    busy = compute + tp_comm
+    pp_bubble = pp_send = pp_bytes = 0.0
+    if p > 1:
+        f = bubble_fraction(p, m, v)
+        pp_bubble = busy * f / (1 - f)
+        boundary = boundary_bytes(b, s, h, act_bytes) / t
+        slots = v * m + p - 1
+        pp_send = 2 * slots * message_time(boundary, links["pp"].alpha, links["pp"].beta)
+        pp_bytes = 2 * v * m * boundary
+
+    # ---- data parallelism: gradient sync, partly hidden behind backward
+    dp_total = dp_bytes = 0.0
+    if d > 1:
+        per = model_state_bytes_by_kind(params_per_device, 1, 0, mixed_precision)
+        link = links["dp"]
+        if zero == 0:
+            ops = [(1, "all_reduce", per["grads"])]
+        elif zero in (1, 2):
+            ops = [(1, "reduce_scatter", per["grads"]), (1, "all_gather", per["params"])]
+        else:  # ZeRO-3 gathers the weights for forward and again for backward, every microbatch
+            ops = [(2 * m, "all_gather", per["params"]), (m, "reduce_scatter", per["grads"])]
+        dp_total = sum(k * collective_time(op, nbytes, d, link.alpha, link.beta)
+                       for k, op, nbytes in ops)
+        dp_bytes = sum(k * predicted_sent_bytes(op, nbytes, d) for k, op, nbytes in ops)
+    # Gradients of the last microbatch appear during its backward: 2/3 of its model FLOPs
+    # (recomputed forwards produce no gradients, so they widen no window).
+    window = busy if zero == 3 else busy * (model_flops / hardware_flops) / m * (2 / 3)
+    dp_hidden = min(dp_total, window)
+
+    time = {"compute": compute, "tp_comm": tp_comm, "pp_bubble": pp_bubble,
+            "pp_send": pp_send, "dp_sync": dp_total - dp_hidden,
+            "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden}
+    return Estimate(model=model, cluster=cluster, d=d, t=t, p=p, m=m, v=v,
+                   global_batch=global_batch, zero=zero, recompute=recompute, micro_batch=b,
+                   memory=memory, time=time,
+                   bytes_sent={"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes},
+                   links={k: _where(cluster, span, degree) for (k, span), degree
+                          in zip(spans.items(), (t, d, p))}, stage=stage,
+                   model_flops=model_flops, hardware_flops=hardware_flops)
+
+
+def _where(cluster: Cluster, span: int, degree: int) -> str:
+    if degree == 1:
+        return "none"
+    return "intra-node" if cluster.in_one_node(span) else "inter-node"
+
+
+__all__ = ["MEMORY_PARTS", "RECOMPUTE", "STEP_PARTS", "Estimate", "estimate"]

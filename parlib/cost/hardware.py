@@ -1,0 +1,176 @@
+"""A cluster described by the numbers the cost model needs: memory, compute rate, two links.
+
+Devices sit in nodes of ``devices_per_node``; a fast link joins devices inside a node
+(NVLink), a slower one joins nodes (InfiniBand, one NIC per GPU). A :class:`Link` is the
+alpha-beta model of chapter 00: ``alpha`` seconds per message, ``bandwidth`` bytes/s that
+one device can push in one direction.
+
+Preset figures are from the vendors' datasheets named next to them. Latency (alpha) is
+not on any datasheet: the presets assume a few microseconds per ring step, which only
+matters for messages under about a megabyte.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from parlib.cost.collectives import per_link_alpha_beta
+
+GB = 10**9  # datasheets' GB (decimal)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One device's link: ``alpha`` seconds per message, ``bandwidth`` bytes/s one way."""
+
+    alpha: float
+    bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not self.alpha >= 0:
+            raise ValueError(f"Link alpha must be >= 0 seconds, got {self.alpha!r}")
+        if not self.bandwidth > 0:
+            raise ValueError(f"Link bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+
+    @property
+    def beta(self) -> float:
+        """Seconds per byte: 1 / bandwidth."""
+        return 1.0 / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``n_devices`` devices in nodes of ``devices_per_node``.
+
+    ``memory_bytes`` and ``peak_flops`` are per device (peak at the training dtype).
+    ``compute_efficiency`` is the fraction of peak the model's compute really runs at
+    (matmuls plus the memory-bound softmax, norms and activations around them): 1.0 means
+    "at peak"; ``measured_here`` folds the measured rate into ``peak_flops`` instead.
+    """
+
+    n_devices: int
+    devices_per_node: int
+    memory_bytes: float
+    peak_flops: float
+    intra_node: Link
+    inter_node: Link
+    compute_efficiency: float = 1.0
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("n_devices", "devices_per_node"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
+        if self.n_devices > self.devices_per_node and self.n_devices % self.devices_per_node:
+            raise ValueError(f"n_devices={self.n_devices} is not a whole number of nodes of "
+                             f"{self.devices_per_node}")
+        if not self.memory_bytes > 0:
+            raise ValueError(f"memory_bytes must be > 0, got {self.memory_bytes!r}")
+        if not self.peak_flops > 0:
+            raise ValueError(f"peak_flops must be > 0, got {self.peak_flops!r}")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(f"compute_efficiency must be in (0, 1], "
+                             f"got {self.compute_efficiency!r}")
+        for field in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, field), Link):
+                raise ValueError(f"{field} must be a Link(alpha, bandwidth)")
+
+    @property
+    def n_nodes(self) -> int:
+        return max(1, self.n_devices // self.devices_per_node)
+
+    def in_one_node(self, span: int) -> bool:
+        """Whether a block of ``span`` consecutive ranks, starting at a multiple of ``span``,
+        lies inside one node."""
+        return span <= self.devices_per_node and self.devices_per_node % span == 0
+
+    def link_for(self, span: int) -> Link:
+        """The slowest link inside such a block: the node's own when it is in one node."""
+        return self.intra_node if self.in_one_node(span) else self.inter_node
+
+    def with_(self, **changes: Any) -> Cluster:
+        """A copy with some fields changed, e.g. ``cluster.with_(n_devices=64)``."""
+        return replace(self, **changes)
+
+    # ---- presets: one node of 8 GPUs, NVLink inside, one InfiniBand NIC per GPU between.
+    @classmethod
+    def dgx_a100(cls, n_devices: int = 8, **changes: Any) -> Cluster:
+        """NVIDIA DGX A100 (80 GB) nodes."""
+        return cls(
+            n_devices=n_devices,
+            devices_per_node=8,  # NVIDIA DGX A100 datasheet: 8x A100 80 GB
+            memory_bytes=80 * GB,  # NVIDIA A100 Tensor Core GPU datasheet: 80 GB HBM2e
+            peak_flops=312e12,  # A100 datasheet: BF16 Tensor Core 312 TFLOPS (dense)
+            # A100 datasheet: NVLink 600 GB/s per GPU, both directions together: 300 one way.
+            intra_node=Link(alpha=5e-6, bandwidth=300 * GB),
+            # DGX A100 datasheet: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute: 25 GB/s.
+            inter_node=Link(alpha=10e-6, bandwidth=25 * GB),
+            name="DGX A100 80GB",
+        ).with_(**changes)
+
+    @classmethod
+    def dgx_h100(cls, n_devices: int = 8, **changes: Any) -> Cluster:
+        """NVIDIA DGX H100 nodes (H100 SXM5 80 GB)."""
+        return cls(
+            n_devices=n_devices,
+            devices_per_node=8,  # NVIDIA DGX H100 datasheet: 8x H100 SXM5
+            memory_bytes=80 * GB,  # NVIDIA H100 Tensor Core GPU datasheet (SXM): 80 GB HBM3
+            # H100 datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS "with sparsity"; dense is half.
+            peak_flops=989.5e12,
+            # H100 datasheet (SXM): NVLink 900 GB/s, both directions together: 450 one way.
+            intra_node=Link(alpha=5e-6, bandwidth=450 * GB),
+            # DGX H100 datasheet: 8x ConnectX-7 400 Gb/s InfiniBand/Ethernet: 50 GB/s per GPU.
+            inter_node=Link(alpha=10e-6, bandwidth=50 * GB),
+            name="DGX H100",
+        ).with_(**changes)
+
+    @classmethod
+    def dgx_h200(cls, n_devices: int = 8, **changes: Any) -> Cluster:
+        """NVIDIA DGX H200 nodes (H200 SXM 141 GB)."""
+        return cls(
+            n_devices=n_devices,
+            devices_per_node=8,  # NVIDIA DGX H200 datasheet: 8x H200 141 GB
+            memory_bytes=141 * GB,  # NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e
+            # H200 datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS "with sparsity"; dense is half.
+            peak_flops=989.5e12,
+            # H200 datasheet (SXM): NVLink 900 GB/s, both directions together: 450 one way.
+            intra_node=Link(alpha=5e-6, bandwidth=450 * GB),
+            # DGX H200 datasheet: 8x ConnectX-7 400 Gb/s: 50 GB/s per GPU.
+            inter_node=Link(alpha=10e-6, bandwidth=50 * GB),
+            name="DGX H200",
+        ).with_(**changes)
+
+    @classmethod
+    def measured_here(cls, n_devices: int, *, allreduce_fit: tuple[float, float],
+                      fit_ranks: int, flops_per_second: float,
+                      memory_bytes: float = math.inf,
+                      devices_per_node: int | None = None) -> Cluster:
+        """This machine, from chapter 00's measurements.
+
+        ``allreduce_fit`` is ``fit_alpha_beta(sizes, seconds)`` of all-reduce times on
+        ``fit_ranks`` ranks (the line 2(N-1) alpha + 2(N-1)/N beta x bytes); both links are
+        that one measured link. ``flops_per_second`` is the rate one rank measured running
+        the model's step; it becomes ``peak_flops``, so MFU here is relative to it.
+        ``memory_bytes`` per device defaults to unlimited (not the constraint on a laptop).
+        """
+        a, b = allreduce_fit
+        if not b > 0:
+            raise ValueError(f"the all-reduce fit's slope must be > 0 seconds per byte, got "
+                             f"{b!r}: measure larger messages")
+        alpha, beta = per_link_alpha_beta(max(a, 0.0), b, fit_ranks)  # a < 0 is fit noise
+        link = Link(alpha=alpha, bandwidth=1.0 / beta)
+        return cls(n_devices=n_devices, devices_per_node=devices_per_node or n_devices,
+                   memory_bytes=memory_bytes, peak_flops=flops_per_second,
+                   intra_node=link, inter_node=link, name="measured here")
+
+    def __str__(self) -> str:
+        return (f"{self.name or 'cluster'}: {self.n_devices} devices, {self.devices_per_node} "
+                f"per node, {self.memory_bytes / GB:.3g} GB, "
+                f"{self.peak_flops / 1e12:.3g} TFLOP/s peak, links "
+                f"{self.intra_node.bandwidth / GB:.3g} / {self.inter_node.bandwidth / GB:.3g} GB/s")
+
+
+__all__ = ["GB", "Cluster", "Link"]

@@ -1,0 +1,153 @@
+"""A decoder-only transformer described by its sizes: parameter count and training FLOPs.
+
+Layer layout: ``embed -> n_layers x (norm, attention, norm, MLP) -> final norm, output``.
+The defaults describe the course's TinyGPT (``parlib.model``): biases everywhere,
+LayerNorm, learned positions, untied output, a GELU MLP. Llama-style models set
+``gated_mlp=True, bias=False, learned_positions=False`` (RMSNorm, RoPE, SwiGLU).
+
+FLOPs count multiply-adds as 2. Training is forward + backward = 3 x forward, and the
+forward of a token is 2 x (weights it multiplies by) plus attention's own term, the
+QK^T and attention-times-V products, 2 x 2 x s x h per layer (PaLM, Chowdhery et al. 2022,
+Appendix B; no discount for the causal mask). Embedding lookups multiply nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Model:
+    """Sizes of a decoder-only transformer.
+
+    ``ffn_dim`` defaults to 4 x d_model, ``n_kv_heads`` to ``n_heads`` (no grouped KV).
+    ``dropout`` says whether the layer keeps dropout masks (activation memory only).
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    seq_len: int
+    vocab_size: int
+    ffn_dim: int | None = None
+    n_kv_heads: int | None = None
+    _: KW_ONLY
+    gated_mlp: bool = False
+    bias: bool = True
+    learned_positions: bool = True
+    tied_embeddings: bool = False
+    dropout: bool = False
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
+            _require_positive_int(field, getattr(self, field))
+        if self.ffn_dim is None:
+            object.__setattr__(self, "ffn_dim", 4 * self.d_model)
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        _require_positive_int("ffn_dim", self.ffn_dim)
+        _require_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by "
+                             f"n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by "
+                             f"n_kv_heads={self.n_kv_heads}")
+
+    @classmethod
+    def from_config(cls, cfg: Any, name: str = "TinyGPT") -> Model:
+        """The course's ``parlib.model.ModelConfig`` (read by attribute, no torch import)."""
+        return cls(n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
+                   seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
+                   ffn_dim=getattr(cfg, "mlp_ratio", 4) * cfg.d_model, name=name)
+
+    # ---- shapes
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): n_kv_heads x head_dim."""
+        return self.n_kv_heads * self.head_dim
+
+    # ---- parameters
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's matrices: q, k, v, out projections and the MLP."""
+        h, f = self.d_model, self.ffn_dim
+        attention = 2 * h * h + 2 * h * self.kv_dim
+        mlp = (3 if self.gated_mlp else 2) * h * f
+        return attention + mlp
+
+    @property
+    def _norm_params(self) -> int:
+        # LayerNorm has a weight and a bias; the bias-free models use RMSNorm (weight only).
+        return self.d_model * (2 if self.bias else 1)
+
+    @property
+    def layer_params(self) -> int:
+        """All parameters of one transformer layer (matrices, biases, two norms)."""
+        h, f = self.d_model, self.ffn_dim
+        biases = (2 * h + 2 * self.kv_dim + (2 if self.gated_mlp else 1) * f + h
+                  if self.bias else 0)
+        return self.layer_matmul_params + biases + 2 * self._norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        """The lookup tables: tokens, and positions when they are learned."""
+        positions = self.seq_len * self.d_model if self.learned_positions else 0
+        return self.vocab_size * self.d_model + positions
+
+    @property
+    def head_params(self) -> int:
+        """Final norm and output projection (none of its own when tied to the embedding)."""
+        projection = 0 if self.tied_embeddings else self.vocab_size * self.d_model
+        bias = self.vocab_size if self.bias and not self.tied_embeddings else 0
+        return self._norm_params + projection + bias
+
+    @property
+    def n_params(self) -> int:
+        return self.n_layers * self.layer_params + self.embedding_params + self.head_params
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights a token is multiplied by: every layer's matrices and the output projection
+        (the embedding table itself when tied)."""
+        return self.n_layers * self.layer_matmul_params + self.vocab_size * self.d_model
+
+    # ---- FLOPs per token
+    @property
+    def attention_flops_per_token(self) -> int:
+        """Forward FLOPs of QK^T and scores x V over all layers: 4 x s x h per layer."""
+        return self.n_layers * 4 * self.seq_len * self.d_model
+
+    @property
+    def forward_flops_per_token(self) -> int:
+        return 2 * self.matmul_params + self.attention_flops_per_token
+
+    @property
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token (forward + backward): 6 x matmul params + 12 x L x s x h."""
+        return 3 * self.forward_flops_per_token
+
+    @property
+    def layers_forward_flops_per_token(self) -> int:
+        """Forward FLOPs of the transformer layers alone (what full recomputation reruns)."""
+        return 2 * self.n_layers * self.layer_matmul_params + self.attention_flops_per_token
+
+    def __str__(self) -> str:
+        label = self.name or "model"
+        return (f"{label}: {self.n_params / 1e9:.3g} B params, L = {self.n_layers}, "
+                f"h = {self.d_model}, a = {self.n_heads}, s = {self.seq_len}, "
+                f"V = {self.vocab_size}")
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+__all__ = ["Model"]

@@ -1,0 +1,131 @@
+"""Choose the layout: try every valid d x t x p (with m, v, ZeRO stage and recomputation),
+keep the ones that fit, return the fastest, each with a one-line reason.
+
+Every layout gets its best setting: the fastest (m, v, zero, recompute) that fits; among
+settings equally fast the simplest (no ZeRO, no recomputation, fewest microbatches) wins.
+"""
+
+from __future__ import annotations
+
+from parlib.cost.estimate import RECOMPUTE, STEP_PARTS, Estimate, _evaluate, check_inputs
+from parlib.cost.hardware import GB, Cluster
+from parlib.cost.model import Model
+
+_WHY_FASTER = {"compute": "less compute", "tp_comm": "less tensor-parallel traffic",
+               "pp_bubble": "a smaller pipeline bubble", "pp_send": "fewer stage-boundary sends",
+               "dp_sync": "less gradient sync on the critical path"}
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of n, ascending."""
+    small = [k for k in range(1, int(n**0.5) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
+
+
+def layouts(model: Model, cluster: Cluster, global_batch: int):
+    """Every valid (d, t, p, m, v): t divides the heads, p the layers, v the layers per
+    stage, d x m the global batch, and m is a multiple of p when v > 1."""
+    n = cluster.n_devices
+    for t in divisors(n):
+        if model.n_heads % t:
+            continue
+        for p in divisors(n // t):
+            if model.n_layers % p:
+                continue
+            d = n // (t * p)
+            if global_batch % d:
+                continue
+            chunks = divisors(model.n_layers // p) if p > 1 else [1]
+            for m in divisors(global_batch // d):
+                for v in chunks:
+                    if v == 1 or m % p == 0:
+                        yield d, t, p, m, v
+
+
+def _simplicity(est: Estimate) -> tuple:
+    return (est.zero, RECOMPUTE.index(est.recompute), est.m, est.v)
+
+
+def _faster(a: Estimate, b: Estimate) -> bool:
+    """a beats b: clearly faster, or as fast (to 1e-9) and simpler."""
+    if abs(a.step_time - b.step_time) > 1e-9 * max(a.step_time, b.step_time):
+        return a.step_time < b.step_time
+    return _simplicity(a) < _simplicity(b)
+
+
+def plan(model: Model, cluster: Cluster, *, global_batch: int, top: int = 5,
+         sequence_parallel: bool = True, mixed_precision: bool = True) -> list[Estimate]:
+    """The ``top`` fastest layouts d x t x p that fit, fastest first, each with ``.reason``.
+
+    An empty list means no valid layout fits, not even with ZeRO-3 and full recomputation
+    (or that no d divides the global batch).
+    """
+    check_inputs(model, cluster)
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top!r}")
+    best: dict[tuple[int, int, int], Estimate] = {}
+    smallest_split_that_fits = None
+    for d, t, p, m, v in layouts(model, cluster, global_batch):
+        for recompute in RECOMPUTE:
+            for zero in ((0, 1, 2, 3) if d > 1 else (0,)):
+                est = _evaluate(model, cluster, d, t, p, m, v, global_batch, zero, recompute,
+                                sequence_parallel, mixed_precision)
+                if not est.fits:
+                    continue
+                if smallest_split_that_fits is None or t * p < smallest_split_that_fits:
+                    smallest_split_that_fits = t * p
+                key = (d, t, p)
+                if key not in best or _faster(est, best[key]):
+                    best[key] = est
+                break  # a higher ZeRO stage only adds traffic once this one fits
+    ranked = sorted(best.values(), key=lambda e: (e.step_time, _simplicity(e)))[:top]
+    for est in ranked:
+        est.reason = _reason(est, smallest_split_that_fits, best)
+    return ranked
+
+
+def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
+    """One line: why this much splitting, where the tensor-parallel group sits, what binds."""
+    split = est.t * est.p
+    cap = est.cluster.memory_bytes
+    if split == 1 and est.zero:
+        why = f"pure data parallelism, the model state sharded by ZeRO-{est.zero}"
+    elif split == 1:
+        why = (f"pure data parallelism: a whole copy fits on one device "
+               f"({est.memory_total / GB:.1f} of {cap / GB:.0f} GB)")
+    elif split == smallest_split:
+        why = f"the weights need {split}-way splitting to fit"
+    else:
+        rival = min((e for e in best.values() if e.t * e.p == smallest_split),
+                    key=lambda e: e.step_time)
+        ratio = rival.step_time / est.step_time
+        name = rival.layout + (f" with ZeRO-{rival.zero}" if rival.zero else "")
+        if ratio > 1:
+            gain = max(STEP_PARTS, key=lambda k: rival.time[k] - est.time[k])
+            why = (f"splits {split} ways though {smallest_split} would fit: "
+                   f"{_WHY_FASTER[gain]} than {name}, which is {ratio:.2f}x as slow")
+        else:
+            why = (f"splits {split} ways though {smallest_split} would fit "
+                   f"({name} is {1 / ratio:.2f}x as fast)")
+    parts = [f"t = {est.t}, p = {est.p}, d = {est.d}: {why}"]
+    if est.t > 1:
+        parts.append("kept in one node" if est.links["tp"] == "intra-node"
+                     else "tensor parallelism spans nodes")
+    if est.p > 1:
+        bubble = est.time["pp_bubble"] / est.step_time
+        parts.append(f"m = {est.m}" + (f", v = {est.v}" if est.v > 1 else "")
+                     + f": bubble {bubble:.0%}")
+    if est.zero and split > 1:
+        parts.append(f"ZeRO-{est.zero} to fit")
+    if est.recompute:
+        kind = "full" if est.recompute is True else "selective"
+        parts.append(f"{kind} recomputation to fit")
+    bound = max(STEP_PARTS, key=est.time.get)
+    parts.append(f"{est.memory_total / cap:.0%} of memory; "
+                 f"{est.time[bound] / est.step_time:.0%} of the step is {bound}")
+    return "; ".join(parts)
+
+
+__all__ = ["divisors", "layouts", "plan"]

@@ -1,0 +1,184 @@
+"""``parlib.check`` and ``parlib.explain``: the auto-checks the exercise notebooks call.
+
+A chapter declares its questions in ``parlib/course/questions/chNN.py`` with
+:func:`parlib.course.registry.register`. A notebook answers one with
+``parlib.check("00.ring_bytes", my_answer)``, which returns a :class:`CheckResult` that
+renders as one short line (pass) or the first failing case and a hint (fail).
+``parlib.explain(id)`` shows the worked answer once the question has been attempted.
+
+``check`` never raises unless asked to through the environment:
+
+* ``PARLIB_CHECK_MODE=strict``: raise :class:`CheckError` on anything but a pass (CI on
+  ``solutions/``);
+* ``PARLIB_CHECK_MODE=expect-fail``: raise :class:`CheckError` if a check passes (CI on the
+  untouched ``exercises/``);
+* ``PARLIB_CHECK_LOG=/path/file.jsonl``: append one JSON line per check (used by
+  ``python -m parlib grade``).
+
+Graders of :class:`~parlib.course.question_types.Implementation` questions receive the
+learner's function and raise :class:`CheckFailed` with a learner-facing message on the
+first failing case. They call ``parlib.launch`` themselves with
+:func:`~parlib.course.question_types.current_timeout` as its ``timeout``; a
+:class:`RankError` from it becomes a verdict (:mod:`parlib.course.on_ranks`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+from parlib.course.on_ranks import verdict_from_rank_error
+from parlib.course.question_types import Question, _current_timeout
+from parlib.course.registry import get_question, unknown_id_message
+from parlib.course.results import (
+    ERROR,
+    FAILED,
+    NOT_ATTEMPTED,
+    PASSED,
+    CheckError,
+    CheckFailed,
+    CheckResult,
+    LearnerError,
+    NotAttempted,
+    Summary,
+)
+from parlib.runtime.errors import RankError, trim_traceback
+
+MODE_ENV = "PARLIB_CHECK_MODE"
+LOG_ENV = "PARLIB_CHECK_LOG"
+
+_SESSION: dict[str, CheckResult] = {}
+
+
+def _evaluate(question: Question, answer: Any, timeout: float | None) -> CheckResult:
+    qid, pts = question.id, question.points
+    t = timeout if timeout is not None else (question.timeout or 120.0)
+    token = _current_timeout.set(t)
+    try:
+        try:
+            question.grade(answer)
+        except RankError as exc:  # a rank failed: what does that say about the answer?
+            raise verdict_from_rank_error(exc, t) from None
+    except NotAttempted:
+        hint = {
+            "function": "replace raise NotImplementedError(...) with your code",
+        }.get(question.kind, "replace the ... with your answer")
+        return CheckResult(qid, NOT_ATTEMPTED, 0, pts, f"{hint}, then run this cell again")
+    except CheckFailed as exc:
+        return CheckResult(qid, FAILED, 0, pts, str(exc))
+    except LearnerError as exc:
+        return CheckResult(qid, ERROR, 0, pts, str(exc), exc.tb)
+    except NotImplementedError:
+        return CheckResult(qid, NOT_ATTEMPTED, 0, pts,
+                           "your function still raises NotImplementedError: write its body, "
+                           "then run this cell again")
+    except RecursionError as exc:
+        return CheckResult(qid, ERROR, 0, pts, f"your function raised {exc!r}",
+                           trim_traceback(exc))
+    except Exception as exc:  # noqa: BLE001 - the learner's code raised: report it
+        tb = trim_traceback(exc)
+        last = tb.strip().splitlines()[-1] if tb.strip() else repr(exc)
+        return CheckResult(qid, ERROR, 0, pts, f"your answer raised {last}", tb)
+    finally:
+        _current_timeout.reset(token)
+    return CheckResult(qid, PASSED, pts, pts, "correct")
+
+
+def check(question_id: str, answer: Any, *, timeout: float | None = None) -> CheckResult:
+    """Check ``answer`` against question ``question_id`` and return a :class:`CheckResult`.
+
+    Never raises unless ``PARLIB_CHECK_MODE`` is ``strict`` or ``expect-fail``.
+    ``timeout`` overrides the question's time limit for launches (seconds).
+    """
+    try:
+        try:
+            question = get_question(question_id)
+        except (KeyError, TypeError):
+            result = CheckResult(str(question_id), ERROR, 0, 0, unknown_id_message(question_id))
+        else:
+            result = _evaluate(question, answer, timeout)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a bug in a grader must not crash the notebook
+        result = CheckResult(str(question_id), ERROR, 0, 1,
+                             f"the checker itself failed ({type(exc).__name__}: {exc}); "
+                             f"please report this")
+    _record(result)
+    mode = os.environ.get(MODE_ENV, "").strip().lower()
+    if mode == "strict" and not result.passed:
+        raise CheckError(f"strict mode: {result!r}")
+    if mode in ("expect-fail", "expect_fail") and result.passed:
+        raise CheckError(f"expect-fail mode: a check passed: {result!r}")
+    return result
+
+
+def _record(result: CheckResult) -> None:
+    _SESSION[result.question_id] = result
+    path = os.environ.get(LOG_ENV)
+    if path:
+        try:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(result.to_json(), sort_keys=True) + "\n")
+        except OSError as exc:
+            warnings.warn(f"parlib: could not write the check log {path}: {exc}")
+
+
+def _summary() -> Summary:
+    """Score table of the checks run so far in this process (latest result per question)."""
+    return Summary(list(_SESSION.values()))
+
+
+def _reset() -> None:
+    """Forget this process's check results (tests)."""
+    _SESSION.clear()
+
+
+check.summary = _summary  # type: ignore[attr-defined]
+check.reset = _reset  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- explain
+
+
+def explain(question_id: str, *, force: bool = False) -> None:
+    """Show the worked answer of a question (markdown), once it has been attempted.
+
+    In a notebook the working is displayed; elsewhere it is printed. Pass ``force=True``
+    to see it without attempting the question first.
+    """
+    try:
+        q = get_question(question_id)
+    except (KeyError, TypeError):
+        text = unknown_id_message(question_id)
+    else:
+        tried = _SESSION.get(q.id)
+        if not force and (tried is None or tried.status == NOT_ATTEMPTED):
+            text = (f"Try question {q.id} first: call parlib.check({q.id!r}, your_answer), "
+                    f"then run parlib.explain({q.id!r}) again "
+                    f"(or parlib.explain({q.id!r}, force=True)).")
+        else:
+            text = f"**Working for {q.id}**\n\n{q.working}"
+    if _in_ipython():
+        from IPython.display import Markdown, display
+
+        display(Markdown(text))
+        return
+    print(text)
+    return
+
+
+def _in_ipython() -> bool:
+    ip = sys.modules.get("IPython")
+    if ip is None:
+        return False
+    try:
+        shell = ip.get_ipython()
+    except Exception:  # noqa: BLE001
+        return False
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+__all__ = ["check", "explain"]

@@ -1,0 +1,55 @@
+"""A NotebookClient that cannot stall on a lost zmq wake-up.
+
+nbclient waits for each cell's ``execute_reply`` with one ``shell_channel.get_msg(timeout)``,
+a single pyzmq asyncio ``poll``. Its Output-widget mimic (used by ``ipywidgets.interact``)
+sends ``comm_msg`` updates on that same shell socket while the poll is pending, and now and
+then (about 1 in 100 such cells here) the poll misses the reply's wake-up: the cell then
+waits out the whole cell timeout with the kernel idle, and completes as if nothing happened.
+Polling in slices of at most a second bounds that loss to one slice.
+"""
+
+from __future__ import annotations
+
+import time
+from queue import Empty
+from typing import Any
+
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.channels import AsyncZMQSocketChannel
+from jupyter_client.manager import AsyncKernelManager
+from traitlets import DottedObjectName, Type
+
+POLL_SLICE_S = 1.0
+
+
+class SlicedShellChannel(AsyncZMQSocketChannel):
+    async def get_msg(self, timeout: float | None = None) -> dict[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_SLICE_S if deadline is None else deadline - time.monotonic()
+            step = min(POLL_SLICE_S, max(0.0, left))
+            if await self.socket.poll(int(step * 1000)):
+                return await self._recv()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise Empty
+
+
+class SlicedKernelClient(AsyncKernelClient):
+    shell_channel_class = Type(SlicedShellChannel)  # type: ignore[assignment]
+
+
+class SlicedKernelManager(AsyncKernelManager):
+    # both: AsyncKernelManager gives client_factory a fixed default, not one from client_class
+    client_class = DottedObjectName("parlib.course.nbclient.SlicedKernelClient")
+    client_factory = Type(SlicedKernelClient)
+
+
+def notebook_client(nb: Any, **kwargs: Any) -> Any:
+    """``nbclient.NotebookClient(nb, **kwargs)`` with the sliced shell poll."""
+    from nbclient import NotebookClient
+
+    kwargs.setdefault("kernel_manager_class", SlicedKernelManager)
+    return NotebookClient(nb, **kwargs)
+
+
+__all__ = ["notebook_client"]

@@ -1,0 +1,342 @@
+"""The kinds of question a chapter can ask: a number, a letter, a formula, a function.
+
+Each ``grade(answer)`` returns on a pass and raises :class:`CheckFailed` (with a hint
+naming the likely mistake) or :class:`NotAttempted` otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextvars
+import inspect
+import math
+import numbers
+import operator
+import random
+import re
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+from parlib.course.results import CheckFailed, NotAttempted
+
+# --------------------------------------------------------------------------- stubs
+
+
+def is_stub(answer: Any) -> bool:
+    """True for an unanswered placeholder: ``...``, ``None``, or a function whose body is
+    only a docstring, ``pass`` or ``...``."""
+    if answer is Ellipsis or answer is None:
+        return True
+    if callable(answer) and inspect.isfunction(answer):
+        return _function_body_is_empty(answer)
+    return False
+
+
+def _function_body_is_empty(fn: Callable) -> bool:
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(src)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return False
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    body = list(node.body)
+    if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        body = body[1:]
+    return all(
+        isinstance(stmt, ast.Pass)
+        or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
+            and stmt.value.value is Ellipsis)
+        for stmt in body
+    )
+
+
+class Question:
+    """Base class: ``grade(answer)`` returns ``(score_fraction, message)`` or raises."""
+
+    kind = "question"
+
+    def __init__(self, id: str, *, prompt: str, working: str, points: float = 1) -> None:
+        if not re.fullmatch(r"\d\d\.[A-Za-z0-9_]+", id):
+            raise ValueError(f"question id must look like '00.ring_bytes', got {id!r}")
+        self.id = id
+        self.prompt = textwrap.dedent(prompt).strip()
+        self.working = textwrap.dedent(working).strip()
+        self.points = points
+        self.timeout = None
+
+    @property
+    def chapter(self) -> str:
+        return self.id.split(".", 1)[0]
+
+    def grade(self, answer: Any) -> str:
+        """Return a pass message, raise CheckFailed / _NotAttempted otherwise."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.id!r})"
+
+
+def _as_number(answer: Any, what: str = "a number") -> float:
+    """Coerce a learner's answer to float, or raise CheckFailed saying what is wrong."""
+    if isinstance(answer, str):
+        raise CheckFailed(
+            f"you gave the string {answer!r}: give {what}, not a string "
+            f"(write 0.5, not '0.5')"
+        )
+    if isinstance(answer, bool):
+        raise CheckFailed(f"you gave {answer!r}: give {what}, not True/False")
+    if isinstance(answer, numbers.Real):
+        value = float(answer)
+    elif hasattr(answer, "shape") and hasattr(answer, "tolist"):  # numpy / torch
+        shape = tuple(answer.shape)
+        n = 1
+        for s in shape:
+            n *= s
+        if n != 1:
+            raise CheckFailed(
+                f"you gave an array of shape {shape}: give a single number"
+            )
+        try:
+            value = float(answer.reshape(-1)[0].item())
+        except Exception:  # noqa: BLE001 - complex, non-numeric dtype
+            raise CheckFailed(
+                f"you gave {type(answer).__name__} {answer!r}: give {what}"
+            ) from None
+    elif isinstance(answer, (list, tuple, set, dict)):
+        raise CheckFailed(
+            f"you gave a {type(answer).__name__} of {len(answer)} items: give a single number"
+        )
+    elif isinstance(answer, complex):
+        raise CheckFailed(f"you gave the complex number {answer!r}: give a real number")
+    else:
+        raise CheckFailed(f"you gave a {type(answer).__name__}: give {what}")
+    if math.isnan(value) or math.isinf(value):
+        raise CheckFailed(f"your answer is {value}: give a finite number")
+    return value
+
+
+# Factors that betray a unit slip (answer / expected)
+_FACTOR_HINTS = (
+    (2.0, "you are a factor of 2 too high: did you count something twice (send and receive?)"),
+    (0.5, "you are a factor of 2 too low: did you leave out one of two phases?"),
+    (8.0, "you are 8x too high: the answer is in bytes, not bits"),
+    (0.125, "you are 8x too low: the answer is in bytes, not bits"),
+    (2**20 / 1e6, "you are 4.9% off: MiB is 2^20 bytes, MB is 10^6 bytes"),
+    (1e6 / 2**20, "you are 4.9% off: MiB is 2^20 bytes, MB is 10^6 bytes"),
+    (1e3, "you are 1000x too high: check the unit"),
+    (1e-3, "you are 1000x too low: check the unit"),
+    (1e6, "you are 10^6x too high: check the unit"),
+    (1e-6, "you are 10^6x too low: check the unit"),
+    (2**20, "you are 2^20x too high: check the unit (bytes vs MiB)"),
+    (2.0**-20, "you are 2^20x too low: check the unit (bytes vs MiB)"),
+)
+
+
+class Numeric(Question):
+    """A number, compared with ``math.isclose(answer, expected, rel_tol=rtol, abs_tol=atol)``.
+
+    ``unit`` is the unit the answer is given in (a plain number in that unit is expected).
+    ``mistakes`` maps known wrong values to hints; they are matched with the same tolerance.
+    """
+
+    kind = "number"
+
+    def __init__(self, id, answer, *, prompt, working, rtol=1e-3, atol=0.0, unit=None,
+                 mistakes: dict[float, str] | None = None, points=1) -> None:
+        super().__init__(id, prompt=prompt, working=working, points=points)
+        self.answer = float(answer)
+        self.rtol = rtol
+        self.atol = atol
+        self.unit = unit
+        self.mistakes = dict(mistakes or {})
+
+    def _close(self, a: float, b: float) -> bool:
+        return math.isclose(a, b, rel_tol=self.rtol, abs_tol=self.atol)
+
+    def grade(self, answer):
+        if is_stub(answer):
+            raise NotAttempted
+        what = f"a number in {self.unit}" if self.unit else "a number"
+        value = _as_number(answer, what)
+        if self._close(value, self.answer):
+            return "correct"
+        unit = f" {self.unit}" if self.unit else ""
+        for wrong, hint in self.mistakes.items():
+            if self._close(value, float(wrong)):
+                raise CheckFailed(f"{value:g}{unit} is not right: {hint}")
+        if self.answer != 0 and value != 0:
+            ratio = value / self.answer
+            for factor, hint in _FACTOR_HINTS:
+                if math.isclose(ratio, factor, rel_tol=self.rtol):
+                    raise CheckFailed(f"{value:g}{unit} is not right: {hint}")
+        direction = "too high" if value > self.answer else "too low"
+        raise CheckFailed(f"{value:g}{unit} is not right ({direction}); check your working")
+
+
+class Choice(Question):
+    """A letter from ``options`` (case-insensitive; "b", "B", "(b)" all accepted).
+
+    ``hints`` optionally maps wrong letters to a hint.
+    """
+
+    kind = "letter"
+
+    def __init__(self, id, answer: str, *, options: dict[str, str], prompt, working,
+                 points=1, hints: dict[str, str] | None = None) -> None:
+        super().__init__(id, prompt=prompt, working=working, points=points)
+        self.options = {k.strip().upper(): v for k, v in options.items()}
+        self.answer = answer.strip().upper()
+        if self.answer not in self.options:
+            raise ValueError(f"{id}: answer {answer!r} is not one of the options")
+        self.hints = {k.strip().upper(): v for k, v in (hints or {}).items()}
+
+    def grade(self, answer):
+        if is_stub(answer):
+            raise NotAttempted
+        letters = ", ".join(self.options)
+        if not isinstance(answer, str):
+            raise CheckFailed(f"you gave a {type(answer).__name__}: give one letter as a "
+                              f"string, one of {letters}")
+        letter = answer.strip().strip("()").strip().upper()
+        if letter not in self.options:
+            raise CheckFailed(f"{answer!r} is not one of the options: give one letter, "
+                              f"one of {letters}")
+        if letter == self.answer:
+            return "correct"
+        hint = self.hints.get(letter, "re-read the options and think about what is exchanged")
+        raise CheckFailed(f"{letter} is not right: {hint}")
+
+
+# Safe evaluation of short formulas for Expression questions
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Pow: operator.pow,
+    ast.Mod: operator.mod,
+}
+_UNOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_FUNCS = {"log": math.log, "log2": math.log2, "sqrt": math.sqrt, "ceil": math.ceil,
+          "floor": math.floor, "min": min, "max": max}
+
+
+def _eval_expr(node: ast.AST, env: dict[str, float]) -> float:
+    if isinstance(node, ast.Expression):
+        return _eval_expr(node.body, env)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
+            and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id not in env:
+            raise CheckFailed(f"unknown name {node.id!r} in your formula: use only "
+                              f"{', '.join(sorted(k for k in env if k not in _FUNCS))}")
+        return env[node.id]
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        return _BINOPS[type(node.op)](_eval_expr(node.left, env), _eval_expr(node.right, env))
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
+        return _UNOPS[type(node.op)](_eval_expr(node.operand, env))
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+            and node.func.id in _FUNCS and not node.keywords:
+        return _FUNCS[node.func.id](*[_eval_expr(a, env) for a in node.args])
+    raise CheckFailed("your formula may use numbers, the variables, + - * / ** and "
+                      "parentheses only")
+
+
+class Expression(Question):
+    """A short formula as a string, e.g. ``"(p-1)/(m+p-1)"``, compared with the expected
+    formula at random sample points of its ``variables`` (positive integers by default,
+    from ``samples`` if given: a list of dicts)."""
+
+    kind = "formula"
+
+    def __init__(self, id, answer: str, *, variables, prompt, working, samples=None,
+                 rtol=1e-6, mistakes: dict[str, str] | None = None, points=1) -> None:
+        super().__init__(id, prompt=prompt, working=working, points=points)
+        self.answer = answer
+        self.variables = list(variables)
+        self.rtol = rtol
+        if samples is None:
+            rng = random.Random(id)
+            samples = [{v: rng.randint(2, 64) for v in self.variables} for _ in range(6)]
+        self.samples = samples
+        self.mistakes = dict(mistakes or {})
+        self._parse(answer)  # the expected formula must parse
+
+    def _parse(self, text: str) -> ast.Expression:
+        try:
+            return ast.parse(text.replace("^", "**").strip(), mode="eval")
+        except SyntaxError:
+            raise CheckFailed(f"{text!r} is not a formula Python can read "
+                              f"(use * for products and ** for powers)") from None
+
+    def _values(self, text: str) -> list[float | None]:
+        tree = self._parse(text)
+        out = []
+        for s in self.samples:
+            try:
+                out.append(float(_eval_expr(tree, {**_FUNCS, **s})))
+            except (ZeroDivisionError, OverflowError, ValueError):
+                out.append(None)
+        return out
+
+    def _same(self, a: list, b: list) -> bool:
+        return all(x is not None and y is not None and math.isclose(x, y, rel_tol=self.rtol)
+                   for x, y in zip(a, b))
+
+    def grade(self, answer):
+        if is_stub(answer):
+            raise NotAttempted
+        if not isinstance(answer, str):
+            raise CheckFailed(f"you gave a {type(answer).__name__}: give the formula as a "
+                              f"string in {', '.join(self.variables)}, e.g. \"2*(N-1)/N\"")
+        got = self._values(answer)
+        if self._same(got, self._values(self.answer)):
+            return "correct"
+        for wrong, hint in self.mistakes.items():
+            if self._same(got, self._values(wrong)):
+                raise CheckFailed(f"{answer!r} is not right: {hint}")
+        s = self.samples[0]
+        where = ", ".join(f"{k}={v}" for k, v in s.items())
+        exp = self._values(self.answer)[0]
+        raise CheckFailed(f"{answer!r} is not right: at {where} it gives {got[0]}, "
+                          f"expected {exp:g}")
+
+
+_current_timeout: contextvars.ContextVar[float] = contextvars.ContextVar(
+    "parlib_check_timeout", default=120.0)
+
+
+def current_timeout() -> float:
+    """The timeout (s) the question being checked allows for each launch."""
+    return _current_timeout.get()
+
+
+class Implementation(Question):
+    """A function, judged by ``grader(fn)`` which raises :class:`CheckFailed` on the
+    first failing case and returns None on a pass."""
+
+    kind = "function"
+
+    def __init__(self, id, grader, *, prompt, working, timeout=120.0, points=1) -> None:
+        super().__init__(id, prompt=prompt, working=working, points=points)
+        self.grader = grader
+        self.timeout = timeout
+
+    def grade(self, answer):
+        if is_stub(answer):
+            raise NotAttempted
+        if not callable(answer):
+            raise CheckFailed(f"you gave a {type(answer).__name__}: pass the function "
+                              f"itself (its name, without calling it)")
+        self.grader(answer)
+        return "correct"
+
+
+__all__ = ["Choice", "Expression", "Implementation", "Numeric", "Question", "current_timeout",
+           "is_stub"]

@@ -1,0 +1,420 @@
+"""Chapter 03 questions: pipeline parallelism (notebook 03_pipeline_parallel)."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any, Callable
+
+import torch
+
+from parlib.cost import bubble_fraction
+from parlib.course.question_types import Choice, Implementation, Numeric, current_timeout
+from parlib.course.registry import register
+from parlib.course.results import CheckFailed
+from parlib.verify import close, reference_step
+
+MiB = 2**20
+
+# --------------------------------------------------------------------------- numeric
+
+register(Numeric(
+    "03.bubble_naive",
+    bubble_fraction(4, 1),
+    prompt="""
+        Four stages in a line run one batch with no microbatches (m = 1): each stage does
+        its forward, then the backward comes back. What fraction of the step is each
+        stage idle? Give a number between 0 and 1.
+    """,
+    working="""
+        Count time in slots of one stage's forward + backward of the batch. The step lasts
+        m + p - 1 = 1 + 3 = 4 slots (the work passes through the 4 stages one after the
+        other) and each stage works in 1 of them, so the idle fraction is
+
+        (p - 1) / (m + p - 1) = 3 / 4 = **0.75**.
+
+        Three quarters of the machine you pay for waits: that is the pipeline bubble.
+    """,
+    mistakes={
+        0.25: "that is the fraction each stage is busy; the question asks for the idle part",
+        3.0: "give a fraction of the step (between 0 and 1), not a number of slots",
+        1.0: "each stage does work in one slot of the step: it is not idle all the time",
+    },
+))
+
+register(Numeric(
+    "03.bubble",
+    bubble_fraction(4, 8),
+    prompt="""
+        The same four stages now cut the batch into m = 8 microbatches and run GPipe (all
+        forwards, then all backwards). What fraction of the step is a stage idle? Give a
+        number between 0 and 1 (a fraction such as 1/5 is fine).
+    """,
+    working="""
+        The step now lasts m + p - 1 = 8 + 3 = 11 slots of one microbatch's forward +
+        backward, and every stage works in m = 8 of them:
+
+        bubble = (p - 1) / (m + p - 1) = 3 / 11 = **0.2727**.
+
+        Compare 3/4 with m = 1: the p - 1 = 3 slots of filling and draining stay, but they
+        are now shared by 8 slots of work instead of 1.
+    """,
+    mistakes={
+        3 / 8: "3/8 = (p-1)/m is the bubble relative to the ideal (bubble-free) time; the "
+               "question asks for the fraction of the whole step, (p-1)/(m+p-1)",
+        8 / 11: "that is the fraction a stage is busy; the idle part is 1 minus it",
+        4 / 12: "the step lasts m + p - 1 slots, not m + p",
+        3 / 12: "the step lasts m + p - 1 = 11 slots, not m + p = 12",
+        0.75: "that is the bubble with m = 1; with 8 microbatches the fill/drain is shared",
+    },
+))
+
+register(Numeric(
+    "03.min_microbatches",
+    64,
+    rtol=0.0,
+    atol=0.0,
+    unit="microbatches",
+    prompt="""
+        A pipeline has p = 8 stages and runs GPipe (or 1F1B). What is the smallest number of
+        microbatches m that keeps the bubble under 10% of the step (strictly below 0.1)?
+        Give a whole number.
+    """,
+    working="""
+        Solve (p - 1) / (m + p - 1) < 0.1 with p = 8:
+
+        7 / (m + 7) < 0.1  <=>  m + 7 > 70  <=>  m > 63, so **m = 64**.
+
+        With m = 63 the bubble is 7/70 = exactly 10%. A rule of thumb follows: m must be
+        about 9 x (p - 1) for a 10% bubble, so deep pipelines need many microbatches, and
+        each microbatch must stay large enough to keep a device busy.
+    """,
+    mistakes={
+        63: "with m = 63 the bubble is 7/70 = 0.1 exactly, not under it",
+        70: "70 is m + p - 1; subtract p - 1 = 7",
+        71: "7 / (m + 7) < 0.1 gives m > 63",
+        7: "7 = p - 1 is the number of fill/drain slots, not the microbatches needed",
+    },
+))
+
+register(Numeric(
+    "03.gpipe_inflight",
+    8,
+    rtol=0.0,
+    unit="microbatches",
+    prompt="""
+        p = 4 stages, m = 8 microbatches, GPipe. At its peak, how many microbatches'
+        activations does the first stage (rank 0) hold for the backward? Give a whole
+        number of microbatches.
+    """,
+    working="""
+        GPipe runs every forward before any backward, so all m = **8** microbatches have
+        saved their activations when the first backward starts. The peak grows with m:
+        more microbatches shrink the bubble but hold more activations (in bytes, the whole
+        batch's activations, whatever m is).
+    """,
+    mistakes={
+        4: "that is 1F1B's peak on rank 0; GPipe starts no backward until all forwards ran",
+        1: "GPipe keeps every microbatch's activations until its backward",
+        3: "GPipe runs all m forwards before the first backward",
+    },
+))
+
+register(Numeric(
+    "03.1f1b_inflight",
+    4,
+    rtol=0.0,
+    unit="microbatches",
+    prompt="""
+        The same pipeline (p = 4, m = 8) runs 1F1B instead: rank r does p - 1 - r warm-up
+        forwards, then alternates one forward and one backward. At its peak, how many
+        microbatches' activations does the first stage (rank 0) hold? Give a whole number.
+    """,
+    working="""
+        Rank 0 does p - 1 - 0 = 3 warm-up forwards, then the forward of a 4th microbatch
+        before its first backward (of microbatch 0). From then on every forward is followed
+        by a backward, so the count never goes above **4** = p - rank. The last stage holds
+        1 at a time. Unlike GPipe (8 here), the peak does not grow with m.
+    """,
+    mistakes={
+        3: "after the 3 warm-up forwards, rank 0 runs one more forward before its first "
+           "backward",
+        8: "that is GPipe's peak: 1F1B starts backwards before all forwards have run",
+        1: "that is the last stage's peak; rank 0 has p - 1 = 3 warm-up forwards",
+        2: "count the warm-up forwards (p - 1 - rank) plus the one before the first backward",
+    },
+))
+
+_B, _S, _H = 16, 1024, 4096
+register(Numeric(
+    "03.boundary_bytes",
+    2 * _B * _S * _H * 2,
+    unit="bytes",
+    prompt="""
+        A pipeline stage boundary on a model with hidden size h = 4096, sequence length
+        s = 1024, a global batch of B = 16 sequences cut into m = 8 microbatches, with
+        activations and their gradients in bf16 (2 bytes). How many bytes cross that one
+        boundary per training step, counting both directions? Give a number in bytes.
+    """,
+    working="""
+        Forward: each microbatch sends its hidden states, (B/m) x s x h values; the m
+        microbatches add up to the batch: B x s x h = 16 x 1024 x 4096 = 67,108,864 values,
+        x 2 bytes = 128 MiB.
+
+        Backward: the gradient of those hidden states has the same shape: another 128 MiB.
+
+        Total **268,435,456 bytes** (256 MiB) per step, whatever m is. Compare data
+        parallelism, whose bill (an all-reduce of every gradient) grows with the number of
+        parameters instead.
+    """,
+    mistakes={
+        _B * _S * _H * 2: "that is one direction; the gradients come back the same way "
+                          "(or, if you counted values in both directions, multiply by 2 "
+                          "bytes per bf16 value)",
+        2 * _B * _S * _H * 2 * 8: "the microbatches are slices of the batch: m does not "
+                                  "multiply the bytes",
+        2 * _B * _S * _H * 4: "bf16 is 2 bytes per value, not 4",
+        2 * _B * _S * _H * 2 // 8: "each microbatch carries B/m rows; all m of them cross",
+        256: "that is in MiB; give bytes",
+    },
+))
+
+register(Choice(
+    "03.more_stages",
+    "B",
+    options={
+        "A": "Adding stages removes the bubble, as long as every stage gets the same number "
+             "of layers.",
+        "B": "Each extra stage adds a slot to fill and to drain the pipe: the bubble "
+             "(p-1)/(m+p-1) grows with p. Only more microbatches per step (or interleaving) "
+             "shrink it.",
+        "C": "The bubble is caused by slow links between stages; more stages do not make "
+             "links faster.",
+        "D": "The bubble is caused by the gradient all-reduce at the end of the step, which "
+             "more stages do not shorten.",
+    },
+    prompt="""
+        A colleague proposes to remove the bubble by cutting the model into more, shorter
+        stages ("each stage then finishes sooner"). Why does that not work? Give one letter.
+    """,
+    working="""
+        **B**. With p stages, the first microbatch needs p - 1 slots to reach the last
+        stage, and the last one needs p - 1 slots to come back: the fill and drain do not
+        depend on how short a stage is, only on how many there are. Shorter stages shrink
+        each slot, and the whole step with it, but the idle fraction (p-1)/(m+p-1) grows
+        with p: with m = 8, p = 4 gives 3/11 = 27%, p = 8 gives 7/15 = 47%. The bubble
+        exists even with infinitely fast links (C) and without any all-reduce (D).
+    """,
+    hints={
+        "A": "try p = 8 instead of 4 with m = 8 in (p-1)/(m+p-1): does the bubble shrink?",
+        "C": "the bubble appears in the timelines even with instant links: it is stages "
+             "waiting for work, not for bytes",
+        "D": "a pipeline alone has no all-reduce; the bubble is the pipe filling and draining",
+    },
+))
+
+# --------------------------------------------------------------------------- GPipe
+
+CFG_KW = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
+SEED = 3
+BATCH = 8
+
+
+# The exercise's solution, written once: the checker runs it as the reference, and the
+# worked answer shows the same text.
+GPIPE_SOLUTION = """\
+def gpipe_step(stage, tokens, targets, m):
+    rank = stage.rank
+    dev = next(stage.parameters()).device
+    xs, ys = tokens.chunk(m), targets.chunk(m)
+    inputs, outputs, total = [], [], 0.0
+    for i in range(m):
+        if stage.is_first:
+            x = xs[i].to(dev)
+        else:
+            x = torch.empty(stage.activation_shape(xs[i].shape[0]), device=dev)
+            dist.recv(x, rank - 1)
+            x.requires_grad_()
+        y = stage(x)
+        if stage.is_last:
+            y = loss_fn(y, ys[i].to(dev)) / m
+            total += y.item()
+        else:
+            dist.send(y.detach(), rank + 1)
+        inputs.append(x)
+        outputs.append(y)
+    for i in reversed(range(m)):
+        if stage.is_last:
+            outputs[i].backward()
+        else:
+            grad = torch.empty_like(outputs[i])
+            dist.recv(grad, rank + 1)
+            outputs[i].backward(grad)
+        if not stage.is_first:
+            dist.send(inputs[i].grad, rank - 1)
+    return total if stage.is_last else None
+"""
+
+
+def _define_reference() -> Callable:
+    import torch.distributed as dist
+
+    from parlib.model import loss_fn
+
+    namespace = {"torch": torch, "dist": dist, "loss_fn": loss_fn, "__name__": __name__}
+    exec(compile(GPIPE_SOLUTION, f"<{__name__} reference>", "exec"), namespace)  # noqa: S102
+    return namespace["gpipe_step"]
+
+
+reference_gpipe = _define_reference()
+
+
+def _gpipe_rank(fn: Callable, m: int, learner_ranks: tuple[int, ...]) -> dict[str, Any]:
+    """Runs on every rank: this rank's stage, the learner's or the reference step."""
+    import torch.distributed as dist
+
+    from parlib.model import ModelConfig, make_batch
+    from parlib.runtime import device
+    from parlib.strategies.pipeline import build_stage
+
+    cfg = ModelConfig(**CFG_KW)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = build_stage(cfg, SEED, rank, p, device())
+    tokens, targets = make_batch(BATCH, cfg, 0, SEED)
+    step = fn if rank in learner_ranks else reference_gpipe
+    out = step(stage, tokens.clone(), targets.clone(), m)
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    elif out is not None and not isinstance(out, (int, float)):
+        out = f"<{type(out).__name__}>"
+    return {"loss": out, "grads": stage.grads(),
+            "missing": [n for n, prm in stage.named_parameters() if prm.grad is None]}
+
+
+def _reference(m: int) -> dict[str, Any]:
+    """Single-device loss, gradients, and each microbatch's gradient contribution."""
+    from parlib.model import ModelConfig, build_model, loss_fn, make_batch
+
+    cfg = ModelConfig(**CFG_KW)
+    full = reference_step(cfg, seed=SEED, batch_size=BATCH)
+    tokens, targets = make_batch(BATCH, cfg, 0, SEED)
+    model = build_model(cfg, SEED)
+    per_mb = []
+    for x, y in zip(tokens.chunk(m), targets.chunk(m)):
+        model.zero_grad(set_to_none=True)
+        (loss_fn(model(x), y) / m).backward()
+        per_mb.append({n: prm.grad.clone() for n, prm in model.named_parameters()})
+    return {"loss": full["loss"], "grads": full["grads"], "per_mb": per_mb}
+
+
+def _diagnose_grads(got: dict[str, torch.Tensor], ref: dict[str, Any], m: int,
+                    rank: int) -> str | None:
+    want = ref["grads"]
+    bad = [n for n in got if not close(got[n], want[n])]
+    if not bad:
+        return None
+    name = bad[0]
+    g = torch.cat([got[n].flatten() for n in got])
+    w = torch.cat([want[n].flatten() for n in got])
+    if not torch.isfinite(g).all():
+        return f"stage {rank} has NaN or inf gradients"
+    scale = (g @ w / (w @ w)).item()
+    if abs(scale - 1) > 1e-3 and close(g, scale * w):
+        return (f"the gradients on stage {rank} are {scale:.4g} x the single-device ones "
+                f"(on every parameter): divide each microbatch's loss by m = {m}, the number "
+                f"of microbatches, so that the m backwards add up to the full-batch mean")
+    for i, part in enumerate(ref["per_mb"]):
+        if all(close(got[n], part[n]) for n in got):
+            return (f"stage {rank} holds only microbatch {i}'s share of the gradient: the "
+                    f"backward of each microbatch must add into .grad (do not zero the "
+                    f"gradients or replace .grad between microbatches)")
+    err = (got[name] - want[name]).abs().max().item()
+    return (f"stage {rank}'s gradient of {name} differs from the single-device step "
+            f"(max |difference| {err:.3g}, {len(bad)} of {len(got)} parameters wrong). Check "
+            f"that each gradient you receive is applied to the microbatch it belongs to: "
+            f"the backward goes m-1, ..., 0 on every stage, and the gradient you send is "
+            f"the .grad of that microbatch's stage input")
+
+
+def _grade_gpipe(fn: Callable) -> None:
+    from parlib.runtime import launch
+
+    cases = [  # (p, m, ranks running the learner's function, what the case tests)
+        (2, 4, (0, 1), "on 2 ranks"),
+        (4, 4, (0, 1, 2, 3), "on 4 ranks"),
+        (4, 2, (1, 3), "on 4 ranks with your function on ranks 1 and 3 and the reference "
+                       "GPipe on ranks 0 and 2"),
+        (4, 2, (0, 2), "on 4 ranks with your function on ranks 0 and 2 and the reference "
+                       "GPipe on ranks 1 and 3"),
+    ]
+    for p, m, learner, where in cases:
+        where = f"{where}, m = {m}, batch {BATCH}"
+        results = launch(_gpipe_rank, fn, m, learner, world_size=p, timeout=current_timeout())
+        ref = _reference(m)
+        mixed = len(learner) < p
+        protocol = (" Your stage must follow the same message order as the reference: "
+                    "forwards of microbatches 0, ..., m-1 (each output sent to rank + 1), "
+                    "then backwards of m-1, ..., 0 (each input gradient sent to rank - 1)."
+                    if mixed else "")
+        for r in range(p):
+            res = results[r]
+            if r in learner and res["missing"]:
+                raise CheckFailed(f"{where}: stage {r} has no gradient for "
+                                  f"{res['missing'][0]}: did its backward run?")
+            problem = _diagnose_grads(res["grads"], ref, m, r)
+            if problem:
+                raise CheckFailed(f"{where}: {problem}.{protocol}")
+        last = results[p - 1]["loss"]
+        if (p - 1) in learner:
+            if not isinstance(last, (int, float)):
+                raise CheckFailed(f"{where}: the last stage returned {last!r}; return the "
+                                  f"full-batch loss as a float (the sum of the m microbatch "
+                                  f"losses, each divided by m)")
+            if abs(last - ref["loss"]) > 1e-4 * abs(ref["loss"]):
+                ratio = last / ref["loss"]
+                hint = (f" ({ratio:.3g} x the expected value: sum the microbatch losses "
+                        f"after dividing each by m)") if abs(ratio - round(ratio)) < 1e-3 \
+                    else ""
+                raise CheckFailed(f"{where}: the last stage returned loss {last:.6g}, the "
+                                  f"single-device loss is {ref['loss']:.6g}{hint}")
+        for r in learner:
+            if r != p - 1 and results[r]["loss"] is not None:
+                raise CheckFailed(f"{where}: stage {r} returned {results[r]['loss']!r}; "
+                                  f"only the last stage returns the loss, the others None")
+
+
+register(Implementation(
+    "03.gpipe",
+    _grade_gpipe,
+    timeout=30.0,
+    prompt="""
+        Write gpipe_step(stage, tokens, targets, m) -> float | None: one GPipe training
+        step of this rank's stage, with dist.send / dist.recv between neighbouring ranks.
+        Forwards of microbatches 0, ..., m-1 (each stage output sent to rank + 1), then
+        backwards of m-1, ..., 0 (the gradient of each stage input sent to rank - 1); each
+        microbatch's loss divided by m, gradients accumulated in .grad. The last stage
+        returns the full-batch loss, the others None. Checked on 2 and 4 ranks against the
+        single-device gradients (rtol 1e-4), and mixed with the reference on 4 ranks.
+    """,
+    working=textwrap.dedent("""
+        Cut the batch with `tokens.chunk(m)` and `targets.chunk(m)`. Keep, for each
+        microbatch, the stage's input `x` and output `y`: the backward needs both.
+
+        **Forwards**, i = 0, ..., m-1. The first stage feeds its tokens; the others
+        `dist.recv` a buffer of `stage.activation_shape(b)` from rank - 1 and call
+        `requires_grad_()` on it, so that autograd computes its gradient. Run `y = stage(x)`.
+        The last stage turns y into `loss_fn(y, targets_i) / m`; the others
+        `dist.send(y.detach(), rank + 1)`.
+
+        **Backwards**, i = m-1, ..., 0 (the newest activations first; the order must match
+        on both sides of every boundary, or a gradient lands on the wrong microbatch). The
+        last stage calls `loss_i.backward()`; the others receive the gradient of y from
+        rank + 1 and call `y.backward(grad)`. Then every stage but the first sends
+        `x.grad` to rank - 1.
+
+        Dividing by m makes the sum of the m microbatch gradients equal the gradient of
+        the full-batch mean loss, and `.backward()` adds into `.grad`, so nothing else is
+        needed. All sends of the forward phase go to rank + 1 and all of the backward
+        phase to rank - 1, so blocking sends cannot deadlock here.
+
+    """) + "\n```python\n" + GPIPE_SOLUTION + "```\n",
+))

@@ -1,0 +1,44 @@
+"""Observing real runs: time, bytes communicated, memory, timelines, emulated costs.
+
+- :mod:`~parlib.measure.timing`: :func:`time_it` (warm-up, device sync, median, spread).
+- :mod:`~parlib.measure.tables`: :class:`Table` (text and HTML), :func:`fmt_bytes`.
+- :mod:`~parlib.measure.comm_log`: :class:`CommLog` records every collective a rank makes.
+  While a log is active it **patches ``torch.distributed`` process-wide** (every thread
+  of the rank goes through it); the originals come back when the last log closes.
+- :mod:`~parlib.measure.memory`: bytes of parameters, gradients, optimizer state and saved
+  activations (:class:`SavedActivations`, :func:`memory_breakdown`).
+- :mod:`~parlib.measure.timeline`: spans per rank (:class:`Recorder`) and their analysis.
+- :mod:`~parlib.measure.emulation`: emulated stage cost, labelled as such.
+
+The names below load their module on first use, so that ``parlib.measure.timeline`` (no
+torch) can be imported without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "MiB": "tables", "Table": "tables", "fmt_bytes": "tables",
+    "Timing": "timing", "sync": "timing", "time_it": "timing",
+    "CommLog": "comm_log", "CommRecord": "comm_log",
+    "MemoryReport": "memory", "SavedActivations": "memory", "grad_bytes": "memory",
+    "memory_breakdown": "memory", "optimizer_state_bytes": "memory", "param_bytes": "memory",
+    "tensor_bytes": "memory",
+    "Recorder": "timeline", "Span": "timeline", "align": "timeline", "busy_time": "timeline",
+    "idle_spans": "timeline", "makespan": "timeline", "measured_bubble": "timeline",
+    "StageCost": "emulation", "default_cost": "emulation",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -1,0 +1,89 @@
+"""Result tables: print as aligned text, render as HTML in a notebook."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+MiB = 2**20
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes in binary units: '512 B', '3.31 MiB', '1.20 GiB'."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != value:  # nan
+            return "-"
+        if value == 0:
+            return "0"
+        if abs(value) >= 1000 or abs(value) < 0.01:
+            return f"{value:.3g}"
+        return f"{value:.3f}".rstrip("0").rstrip(".") if abs(value) < 10 else f"{value:.1f}"
+    if value is None:
+        return "-"
+    return str(value)
+
+
+class Table:
+    """A small table: prints as aligned text, renders as HTML in a notebook.
+
+    ``Table(["strategy", "steps/s"], [["naive", 12.3], ["ddp", 20.1]], title="...")``.
+    Floats are shown with about three significant figures; strings are shown as given.
+    """
+
+    def __init__(self, columns: Sequence[str], rows: Iterable[Sequence[Any]], title: str = ""):
+        self.columns = list(columns)
+        self.rows = [list(r) for r in rows]
+        self.title = title
+        for r in self.rows:
+            if len(r) != len(self.columns):
+                raise ValueError(f"row {r!r} has {len(r)} cells, expected {len(self.columns)}")
+
+    def column(self, name: str) -> list[Any]:
+        i = self.columns.index(name)
+        return [r[i] for r in self.rows]
+
+    def _cells(self) -> list[list[str]]:
+        return [[_fmt(v) for v in r] for r in self.rows]
+
+    def __str__(self) -> str:
+        cells = self._cells()
+        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(self.columns)]
+
+        def line(values: list[str]) -> str:
+            out = []
+            for i, v in enumerate(values):
+                numeric = all(not isinstance(r[i], str) for r in self.rows) and self.rows
+                out.append(v.rjust(widths[i]) if numeric else v.ljust(widths[i]))
+            return "  ".join(out).rstrip()
+
+        parts = [self.title] if self.title else []
+        parts.append(line(self.columns))
+        parts.append("  ".join("-" * w for w in widths))
+        parts.extend(line(r) for r in cells)
+        return "\n".join(parts)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
+            for r in self._cells()
+        )
+        cap = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""
+        return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+__all__ = ["MiB", "Table", "fmt_bytes"]

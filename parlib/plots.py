@@ -1,0 +1,174 @@
+"""Every figure of the course: one palette, one caption rule, and the drawings.
+
+- :data:`COLORS` and :func:`run_label`: the colour of each kind of work and the
+  "what ran it" caption every figure carries.
+- :func:`draw_collective`: who holds what before and after a collective (chapter 00).
+- :func:`draw_timeline`: a Gantt chart of spans per rank (pipelines, and any step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from parlib.measure.timeline import COMM, COMPUTE, Span
+
+# One colour per kind of work, the same in every chapter. Idle is light grey so that
+# pipeline bubbles read as empty space.
+COLORS: dict[str, str] = {
+    "forward": "#4C72B0",  # compute, forward pass
+    "backward": "#DD8452",  # compute, backward pass
+    "comm": "#55A868",  # communication (send, recv, collectives)
+    "send": "#55A868",
+    "recv": "#8CC79A",
+    "optimizer": "#8172B3",
+    "idle": "#E5E5E5",
+    "theory": "#333333",  # dashed lines / outlines for predictions
+}
+
+
+def run_label(world_size: int, device: str, backend: str, emulated: bool = False) -> str:
+    """The 'what ran it' caption every figure carries, e.g. '4 ranks, CPU, gloo'."""
+    dev = "CPU" if str(device).startswith("cpu") else str(device).split(":")[0].upper()
+    label = f"{world_size} rank{'s' if world_size != 1 else ''}, {dev}, {backend}"
+    if emulated:
+        label += ", emulated stage cost"
+    return label
+
+
+# The collectives the course uses and the strategy that pays for each (chapter 00's table).
+WHO_PAYS = [
+    ("broadcast", "every strategy, once: the same initial weights on every rank"),
+    ("all-reduce", "data parallelism: gradients after every step; tensor parallelism: "
+                   "partial activations after a row-split layer"),
+    ("reduce-scatter", "ZeRO / FSDP: each rank keeps only its shard of the summed gradients"),
+    ("all-gather", "ZeRO / FSDP: parameters rebuilt before use; tensor parallelism: "
+                   "activations after a column-split layer"),
+    ("send / recv", "pipeline parallelism: activations forward and gradients backward "
+                    "across each stage boundary"),
+]
+
+
+def draw_collective(name: str, before: Sequence[Sequence[float]],
+                    after: Sequence[Sequence[float]], caption: str = "", ax_pair=None):
+    """Draw what each rank holds before and after a collective.
+
+    ``before[r]`` and ``after[r]`` are the values rank r holds (lists may differ in length:
+    a reduce-scatter shrinks them, an all-gather grows them). Returns the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    n = len(before)
+    if len(after) != n:
+        raise ValueError(f"before has {n} ranks but after has {len(after)}")
+    width = max(max(len(v) for v in before), max(len(v) for v in after))
+    if ax_pair is None:
+        fig, ax_pair = plt.subplots(1, 2, figsize=(2.2 + 0.7 * width * 2, 0.5 + 0.5 * n))
+    else:
+        fig = ax_pair[0].figure
+    for ax, rows, label in ((ax_pair[0], before, "before"), (ax_pair[1], after, "after")):
+        for r, values in enumerate(rows):
+            for c, value in enumerate(values):
+                ax.add_patch(plt.Rectangle((c, n - 1 - r), 0.95, 0.9,
+                                           color=COLORS["comm"] if label == "after"
+                                           else COLORS["forward"], alpha=0.85))
+                ax.text(c + 0.47, n - 1 - r + 0.45, _short(value), ha="center", va="center",
+                        color="white", fontsize=9)
+        ax.set_xlim(-0.1, width)
+        ax.set_ylim(-0.1, n)
+        ax.set_yticks([n - 1 - r + 0.45 for r in range(n)], [f"rank {r}" for r in range(n)])
+        ax.set_xticks([])
+        ax.set_title(f"{name}: {label}", fontsize=10)
+        for side in ("top", "right", "bottom", "left"):
+            ax.spines[side].set_visible(False)
+    if caption:
+        fig.suptitle(caption, fontsize=9, y=0.02, va="bottom", color="#555555")
+    fig.tight_layout(rect=(0, 0.06 if caption else 0, 1, 1))
+    return fig
+
+
+def _short(value: float) -> str:
+    value = float(value)
+    return f"{value:.0f}" if value.is_integer() else f"{value:.2g}"
+
+
+def draw_timeline(
+    spans_by_rank: Sequence[Iterable[Span]],
+    ax: Any = None,
+    *,
+    title: str | None = None,
+    caption: str | None = None,
+    unit: str = "ms",
+    ideal: float | None = None,
+    show_comm: bool = True,
+    legend: bool = True,
+    labels: bool = True,
+) -> Any:
+    """Gantt chart: one row per stage (stage 0 on top), one box per op coloured by kind
+    with its microbatch number inside, idle time light grey, communication as a thin
+    strip under each row. ``unit``: "ms" (spans in seconds, drawn in ms), "s", or "t"
+    (schedule time units, drawn as they are). ``ideal``: draw the predicted step end as a
+    dashed line (same units as the spans). Returns the matplotlib Axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lists = [list(s) for s in spans_by_rank]
+    p = len(lists)
+    scale = {"ms": 1e3, "s": 1.0, "t": 1.0}[unit]
+    xlabel = {"ms": "time (ms)", "s": "time (s)", "t": "time (forward time units)"}[unit]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.55 * p + 1.3))
+    flat = [x for s in lists for x in s]
+    t0 = min((x.start for x in flat), default=0.0)
+    t1 = max((x.end for x in flat), default=1.0)
+    width_total = (t1 - t0) * scale or 1.0
+    h = 0.8
+    comm_h = 0.14
+    for rank, spans in enumerate(lists):
+        y = p - 1 - rank
+        ax.broken_barh([(0.0, width_total)], (y - h / 2, h), facecolors=COLORS["idle"],
+                       edgecolors="none")
+        for x in spans:
+            left, w = (x.start - t0) * scale, x.duration * scale
+            if x.kind in COMPUTE:
+                ax.broken_barh([(left, w)], (y - h / 2, h), facecolors=COLORS[x.kind],
+                               edgecolors="white", linewidth=0.6,
+                               hatch="//" if x.chunk % 2 else None)
+                if labels and x.mb is not None and w > 0.012 * width_total:
+                    ax.text(left + w / 2, y, str(x.mb), ha="center", va="center",
+                            color="white", fontsize=8 if w > 0.03 * width_total else 6,
+                            fontweight="bold")
+            elif x.kind in COMM and show_comm:
+                ax.broken_barh([(left, max(w, 0.002 * width_total))],
+                               (y - h / 2 - comm_h, comm_h),
+                               facecolors=COLORS[x.kind], edgecolors="none")
+    if ideal is not None:
+        ax.axvline(ideal * scale, color=COLORS["theory"], linestyle="--", linewidth=1.2)
+        ax.text(ideal * scale, p - 0.45, "predicted end ", color=COLORS["theory"],
+                fontsize=8, va="bottom", ha="right")
+    ax.set_yticks(range(p))
+    ax.set_yticklabels([f"stage {r}" for r in reversed(range(p))])
+    ax.set_ylim(-0.75, p - 0.2)
+    right = max(width_total, (ideal or 0) * scale)
+    ax.set_xlim(0, right * 1.01)
+    ax.set_xlabel(xlabel)
+    full = title or ""
+    if caption:
+        full = f"{full}\n{caption}" if full else caption
+    if full:
+        ax.set_title(full, fontsize=10)
+    if legend:
+        handles = [Patch(color=COLORS["forward"], label="forward"),
+                   Patch(color=COLORS["backward"], label="backward"),
+                   Patch(color=COLORS["idle"], label="idle (bubble)")]
+        if show_comm and any(x.kind in COMM for x in flat):
+            handles.append(Patch(color=COLORS["recv"], label="send / recv (thin strip)"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  fontsize=8, frameon=False)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return ax
+
+
+__all__ = ["COLORS", "WHO_PAYS", "draw_collective", "draw_timeline", "run_label"]

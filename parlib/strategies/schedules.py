@@ -1,0 +1,230 @@
+"""Pipeline schedules as plain lists of operations, and their ideal timelines.
+
+A schedule says, for one rank, in which order it runs the forward and backward of each
+microbatch. Everything here is pure computation (no ranks, no torch), so the notebook's
+explorer can redraw a schedule instantly and tests can check the bubble formulas.
+
+* :func:`gpipe` -- all m forwards, then all m backwards (last microbatch first).
+* :func:`one_f_one_b` -- 1F1B: p-1-rank warm-up forwards, then one forward / one backward.
+* :func:`interleaved` -- v virtual stages (model chunks) per rank, Megatron's interleaved 1F1B.
+* :func:`simulate` -- the timeline these orders give with fixed op times and instant links.
+The formulas (bubble fraction, ideal step time) are in :mod:`parlib.cost.pipeline`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parlib.measure.timeline import Span
+
+FORWARD = "forward"
+BACKWARD = "backward"
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One unit of work on a rank: the forward or backward of microbatch ``mb``.
+
+    ``chunk`` is the model chunk (virtual stage) on this rank; 0 unless interleaved. With
+    v chunks per rank, chunk c of rank r is virtual stage c*p + r of the model.
+    """
+
+    kind: str  # FORWARD or BACKWARD
+    mb: int
+    chunk: int = 0
+
+    def __repr__(self) -> str:
+        tag = "F" if self.kind == FORWARD else "B"
+        return f"{tag}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def _check(p: int, m: int, rank: int) -> None:
+    if p < 1 or m < 1:
+        raise ValueError(f"need p >= 1 and m >= 1, got p={p}, m={m}")
+    if not 0 <= rank < p:
+        raise ValueError(f"rank must be in [0, {p}), got {rank}")
+
+
+def gpipe(p: int, m: int, rank: int) -> list[Op]:
+    """GPipe: forwards of microbatches 0..m-1, then backwards m-1..0.
+
+    The backward starts with the last microbatch because its activations are the newest:
+    on the last stage it can start the moment its forward ends. m = 1 is the naive schedule.
+    """
+    _check(p, m, rank)
+    return [Op(FORWARD, i) for i in range(m)] + [Op(BACKWARD, i) for i in reversed(range(m))]
+
+
+def naive(p: int, m: int, rank: int) -> list[Op]:
+    """One batch, no microbatches: the forward then the backward (GPipe with m = 1)."""
+    if m != 1:
+        raise ValueError("the naive schedule runs the whole batch at once: m must be 1")
+    return gpipe(p, 1, rank)
+
+
+def warmup_forwards(p: int, m: int, rank: int) -> int:
+    """Forwards a 1F1B rank runs before its first backward: p-1-rank (at most m)."""
+    return min(p - 1 - rank, m)
+
+
+def one_f_one_b(p: int, m: int, rank: int) -> list[Op]:
+    """1F1B (PipeDream-Flush): warm-up of p-1-rank forwards, then alternate F and B.
+
+    Backwards run in microbatch order. A rank holds the activations of at most
+    min(p - rank, m) microbatches at once, against m for GPipe.
+    """
+    _check(p, m, rank)
+    w = warmup_forwards(p, m, rank)
+    ops = [Op(FORWARD, i) for i in range(w)]
+    for i in range(m - w):
+        ops += [Op(FORWARD, w + i), Op(BACKWARD, i)]
+    ops += [Op(BACKWARD, i) for i in range(m - w, m)]
+    return ops
+
+
+def interleaved(p: int, m: int, rank: int, v: int = 2) -> list[Op]:
+    """Interleaved 1F1B (Narayanan et al., 2021, "Megatron-LM"): v model chunks per rank.
+
+    Microbatches go through the chunks in groups of p, so m must be a multiple of p.
+    Each op does 1/v of a stage's work; the bubble shrinks by v:
+    (p-1)/(v*m) of the ideal time instead of (p-1)/m.
+    """
+    _check(p, m, rank)
+    if v < 1:
+        raise ValueError(f"v must be >= 1, got {v}")
+    if v == 1:
+        return one_f_one_b(p, m, rank)
+    if m % p:
+        raise ValueError(f"the interleaved schedule needs m to be a multiple of p (m={m}, p={p})")
+    total = m * v
+
+    def fwd(k: int) -> Op:
+        return Op(FORWARD, (k // (p * v)) * p + k % p, (k // p) % v)
+
+    def bwd(k: int) -> Op:
+        return Op(BACKWARD, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+    w = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    ops = [fwd(k) for k in range(w)]
+    for i in range(total - w):
+        ops += [fwd(w + i), bwd(i)]
+    ops += [bwd(k) for k in range(total - w, total)]
+    return ops
+
+
+def schedule(name: str, p: int, m: int, rank: int, v: int = 2) -> list[Op]:
+    """The op list of ``name`` (one of :data:`SCHEDULES`) for one rank."""
+    if name == "naive":
+        return naive(p, m, rank)
+    if name == "gpipe":
+        return gpipe(p, m, rank)
+    if name == "1f1b":
+        return one_f_one_b(p, m, rank)
+    if name == "interleaved":
+        return interleaved(p, m, rank, v)
+    raise ValueError(f"unknown schedule {name!r}; pick one of {SCHEDULES}")
+
+
+def in_flight(ops: list[Op]) -> list[int]:
+    """Microbatches whose activations are held after each op (forward done, backward not)."""
+    live: set[tuple[int, int]] = set()
+    counts = []
+    for op in ops:
+        key = (op.mb, op.chunk)
+        if op.kind == FORWARD:
+            live.add(key)
+        else:
+            live.discard(key)
+        counts.append(len(live))
+    return counts
+
+
+def peak_in_flight(ops: list[Op]) -> int:
+    """Most microbatch activations (in chunk units) a rank holds at once under ``ops``."""
+    return max(in_flight(ops), default=0)
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+def simulate(
+    name: str | dict[int, list[Op]],
+    p: int,
+    m: int,
+    *,
+    v: int = 2,
+    t_f: float = 1.0,
+    t_b: float = 2.0,
+    t_comm: float = 0.0,
+) -> list[list[Span]]:
+    """Ideal timeline of a schedule: each op starts as soon as its rank is free and its
+    input has arrived (``t_comm`` after the producing op ended). Returns spans per rank.
+
+    ``name`` is a schedule name or a dict rank -> op list. Forward of one microbatch on
+    one stage takes ``t_f``, backward ``t_b`` (an interleaved chunk takes 1/v of that).
+    Raises ``ValueError`` if the orders deadlock (some op's input can never arrive).
+    """
+    if isinstance(name, str):
+        vv = v if name == "interleaved" else 1
+        orders = {r: schedule(name, p, m, r, v) for r in range(p)}
+    else:
+        orders = dict(name)
+        vv = 1 + max((op.chunk for ops in orders.values() for op in ops), default=0)
+    n_virtual = p * vv
+    scale = 1.0 / vv
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, mb) -> end time
+    free = [0.0] * p
+    nxt = [0] * p
+    spans: list[list[Span]] = [[] for _ in range(p)]
+
+    def ready(rank: int, op: Op) -> float | None:
+        s = op.chunk * p + rank
+        if op.kind == FORWARD:
+            if s == 0:
+                return 0.0
+            dep = done.get((FORWARD, s - 1, op.mb))
+            return None if dep is None else dep + t_comm
+        if s == n_virtual - 1:
+            return done.get((FORWARD, s, op.mb))
+        dep = done.get((BACKWARD, s + 1, op.mb))
+        return None if dep is None else dep + t_comm
+
+    remaining = sum(len(o) for o in orders.values())
+    while remaining:
+        progress = False
+        for r in range(p):
+            while nxt[r] < len(orders[r]):
+                op = orders[r][nxt[r]]
+                t_ready = ready(r, op)
+                if t_ready is None:
+                    break
+                start = max(free[r], t_ready)
+                end = start + (t_f if op.kind == FORWARD else t_b) * scale
+                free[r] = end
+                done[(op.kind, op.chunk * p + r, op.mb)] = end
+                spans[r].append(Span(r, op.kind, start, end, op.mb, op.chunk))
+                nxt[r] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            stuck = {r: orders[r][nxt[r]] for r in range(p) if nxt[r] < len(orders[r])}
+            raise ValueError(f"schedule deadlocks: ranks wait forever at {stuck}")
+    return spans
+
+
+__all__ = [
+    "FORWARD",
+    "BACKWARD",
+    "SCHEDULES",
+    "Op",
+    "gpipe",
+    "naive",
+    "one_f_one_b",
+    "warmup_forwards",
+    "interleaved",
+    "schedule",
+    "in_flight",
+    "peak_in_flight",
+    "simulate",
+]

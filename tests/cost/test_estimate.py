@@ -1,0 +1,143 @@
+"""estimate(): one hand-worked layout term by term, the directions every knob must move
+things, and a clear error for every impossible input."""
+
+import pytest
+
+from parlib.cost import Cluster, Link, Model, estimate
+from parlib.cost.estimate import MEMORY_PARTS, STEP_PARTS
+
+# Round numbers to work by hand: 4 devices in nodes of 2, 1 GFLOP/s each,
+# 1 us + 1 GB/s inside a node, 10 us + 100 MB/s between nodes.
+TOY = Model(4, 8, 2, 4, 16)  # L=4, h=8, a=2, s=4, V=16, f=32; 3808 parameters
+TOY_CLUSTER = Cluster(4, 2, 1e9, 1e9, Link(1e-6, 1e9), Link(1e-5, 1e8))
+
+
+def test_hand_worked_layout():
+    # d=2, t=2, p=1, m=2, global batch 8 -> microbatch b = 2; fp32 throughout.
+    est = estimate(TOY, TOY_CLUSTER, d=2, t=2, p=1, m=2, global_batch=8,
+                   mixed_precision=False)
+    assert TOY.n_params == 3808 and est.micro_batch == 2
+    assert est.links == {"tp": "intra-node", "dp": "inter-node", "pp": "none"}
+    # compute: 20736 FLOPs/token x 32 tokens / 4 devices / 1e9 = 165.888 us
+    assert est.time["compute"] == pytest.approx(165.888e-6)
+    # TP: message b*s*h*4 = 256 B; all-reduce on 2: 2 alphas + 256 B x 1 ns = 2.256 us;
+    # 4 per layer x 4 layers x 2 microbatches = 32 of them
+    assert est.time["tp_comm"] == pytest.approx(32 * 2.256e-6)
+    assert est.bytes_sent["tp"] == pytest.approx(32 * 256)
+    # DP: 3808 / 2 = 1904 params per device, fp32 grads 7616 B, all-reduce on 2 over the
+    # slow link: 2 x 10 us + 7616 B x 10 ns = 96.16 us
+    assert est.time["dp_sync_total"] == pytest.approx(96.16e-6)
+    # hidden behind the last microbatch's backward: (165.888 + 72.192) / 2 x 2/3 = 79.36 us
+    assert est.time["dp_sync_hidden"] == pytest.approx(79.36e-6)
+    assert est.time["dp_sync"] == pytest.approx(16.8e-6)
+    assert est.time["pp_bubble"] == est.time["pp_send"] == 0
+    assert est.step_time == pytest.approx((165.888 + 72.192 + 16.8) * 1e-6)
+    # memory: 16 B per parameter in fp32 Adam: 1904 x (4 + 4 + 8)
+    assert (est.memory["params"], est.memory["grads"], est.memory["optimizer"]) == (
+        7616, 7616, 15232)
+    # activations, per layer with t = 2 and sequence parallelism, fp32, no dropout:
+    # (kept whole 1024 B + split 3072 B + scores 256 B) / 2 = 2176 B; 4 layers, plus logits
+    # s*b*V*(4 + 4) / 2 = 512 B
+    assert est.memory["activations"] == 4 * 2176 + 512
+    assert est.memory["pipeline_in_flight"] == 0
+    assert est.fits and est.memory_total == 7616 * 2 + 15232 + 9216
+    # MFU: model FLOPs over (step x devices x peak)
+    assert est.mfu == pytest.approx(663552 / (est.step_time * 4 * 1e9))
+
+
+def test_parts_add_up_and_dicts_are_complete():
+    est = estimate(TOY, TOY_CLUSTER, d=1, t=2, p=2, m=4, global_batch=8, zero=0,
+                   recompute="selective")
+    assert set(MEMORY_PARTS) == set(est.memory)
+    assert set(STEP_PARTS) < set(est.time)
+    assert est.step_time == pytest.approx(sum(est.time[k] for k in STEP_PARTS))
+    assert (est.d, est.t, est.p, est.m, est.v, est.zero, est.recompute) == (
+        1, 2, 2, 4, 1, 0, "selective")
+    assert est.reason.startswith("fits")
+
+
+BIG = Model(32, 4096, 32, 4096, 32000)  # a GPT-style 6.6B model
+H100 = Cluster.dgx_h100(16)
+
+
+def run(**kw):
+    layout = dict(d=2, t=8, p=1, m=8, global_batch=64)
+    layout.update(kw)
+    return estimate(BIG, H100.with_(n_devices=layout["d"] * layout["t"] * layout["p"]),
+                    **layout)
+
+
+def test_each_knob_moves_memory_and_time_the_right_way():
+    base = run()
+    # ZeRO shards the optimizer state (1), then gradients (2), then weights (3)
+    z = [run(zero=k) for k in range(4)]
+    assert z[0].memory["optimizer"] > z[1].memory["optimizer"] == z[2].memory["optimizer"]
+    assert z[1].memory["grads"] > z[2].memory["grads"]
+    assert z[2].memory["params"] > z[3].memory["params"]
+    assert z[3].time["dp_sync_total"] > z[1].time["dp_sync_total"]
+    # recomputation trades activation memory for compute
+    sel, full = run(recompute="selective"), run(recompute=True)
+    assert base.memory["activations"] > sel.memory["activations"] > full.memory["activations"]
+    assert base.time["compute"] < sel.time["compute"] < full.time["compute"]
+    assert base.mfu > full.mfu and full.hfu > full.mfu
+    # more microbatches: smaller bubble; interleaving: smaller still, more in flight
+    p4 = [run(t=2, p=4, m=m) for m in (4, 16)]
+    assert p4[0].time["pp_bubble"] > p4[1].time["pp_bubble"] > 0
+    inter = run(t=2, p=4, m=16, v=2)
+    assert inter.time["pp_bubble"] < p4[1].time["pp_bubble"]
+    assert inter.memory["pipeline_in_flight"] > p4[1].memory["pipeline_in_flight"]
+    # a pipeline holds min(p, m) microbatches on its first stage
+    assert p4[1].stage == "first"
+    assert p4[1].memory["pipeline_in_flight"] == pytest.approx(3 * p4[1].memory["activations"])
+    # TP across nodes costs more than inside one
+    assert run(d=1, t=16).links["tp"] == "inter-node"
+    assert run(d=1, t=16).time["tp_comm"] > 2 * run(d=1, t=8).time["tp_comm"]
+
+
+def test_sequence_parallel_splits_what_tensor_parallelism_keeps_whole():
+    sp, no_sp = run(sequence_parallel=True), run(sequence_parallel=False)
+    assert sp.memory["activations"] < no_sp.memory["activations"]
+    assert sp.time["tp_comm"] == no_sp.time["tp_comm"]  # the same bytes on the wire
+
+
+def test_too_big_does_not_fit_and_says_why():
+    est = estimate(BIG, Cluster.dgx_h100(1, memory_bytes=16e9), d=1, t=1, p=1, m=1,
+                   global_batch=1)
+    assert not est.fits
+    assert est.reason.startswith("does not fit") and "optimizer" in est.reason
+
+
+def test_wrong_kinds_of_model_and_cluster_are_named():
+    from parlib.model import ModelConfig
+
+    with pytest.raises(ValueError, match=r"Model.from_config\(cfg\)"):
+        estimate(ModelConfig(), TOY_CLUSTER, d=4, t=1, p=1, m=1, global_batch=4)
+    with pytest.raises(ValueError, match="parlib.cost.Cluster describes hardware"):
+        estimate(TOY, object(), d=4, t=1, p=1, m=1, global_batch=4)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(d=3), r"d x t x p = 3 x 8 x 1 = 24, but the cluster has 16 devices"),
+    (dict(d=16, t=1, p=1, global_batch=48, m=1), None),  # valid: control case
+    (dict(d=1, t=16, m=1, global_batch=8), None),
+    (dict(d=0), r"d must be a positive integer, got 0"),
+    (dict(m=-1), r"m must be a positive integer"),
+    (dict(global_batch=0), r"global_batch must be a positive integer"),
+    (dict(t=3, d=1, p=1, n=3), r"t = 3 does not divide the model's 32 attention heads"),
+    (dict(t=1, p=3, d=1, n=3), r"p = 3 does not divide the model's 32 layers"),
+    (dict(global_batch=60), r"global_batch = 60 is not divisible by d x m = 2 x 8 = 16"),
+    (dict(zero=4), r"zero must be 0, 1, 2 or 3"),
+    (dict(recompute="yes"), r"recompute must be False, 'selective' or True"),
+    (dict(v=2), r"v = 2 model chunks per rank need a pipeline"),
+    (dict(t=2, p=4, v=3), r"v = 3 does not divide the 8 layers per stage"),
+    (dict(t=2, p=4, v=2, m=2), r"needs m a multiple of p"),
+])
+def test_impossible_inputs_are_named(kw, message):
+    layout = dict(d=2, t=8, p=1, m=8, global_batch=64)
+    layout.update(kw)
+    cluster = H100.with_(n_devices=layout.pop("n", 16))
+    if message is None:
+        assert estimate(BIG, cluster, **layout).step_time > 0
+        return
+    with pytest.raises(ValueError, match=message):
+        estimate(BIG, cluster, **layout)

@@ -1,0 +1,223 @@
+"""Chapter 01 questions: each grader accepts the reference answer and rejects each mutant
+with a hint that names the mistake."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from parlib.course.check import check
+from parlib.course.questions.ch01 import ZERO1_SOLUTION
+from parlib.course.registry import questions
+from tests.helpers.learner_code import learner as define_learner
+
+pytestmark = pytest.mark.usefixtures("clean_checks")
+
+
+def learner(src, name):
+    return define_learner(src, name, prelude="from parlib.strategies import data as dp\n")
+
+
+GiB = 2**30
+
+
+
+
+
+def test_chapter_has_its_questions():
+    ids = set(questions("01"))
+    assert {
+        "01.grad_avg",
+        "01.zero1_step",
+        "01.ring_bytes_model",
+        "01.dp_memory",
+        "01.zero1_memory",
+        "01.memory_wall",
+    } <= ids
+    for q in questions("01").values():
+        assert q.working and q.prompt
+
+
+# --------------------------------------------------------------------------- numeric / choice
+
+
+@pytest.mark.parametrize(
+    "qid, right, wrong, hint",
+    [
+        ("01.ring_bytes_model", 2.45e9, 2 * 1.4e9, "limit"),
+        ("01.ring_bytes_model", 2.45e9, 2 * 7 / 8 * 350e6, "4 bytes"),
+        ("01.dp_memory", 16 * 1.5e9 / GiB, 16 * 1.5e9 / GiB / 8, "full copy"),
+        ("01.dp_memory", 16 * 1.5e9 / GiB, 24.0, "GiB"),
+        ("01.dp_memory", 16 * 1.5e9 / GiB, 8 * 1.5e9 / GiB, "two moments"),
+        ("01.zero1_memory", 9 * 1.5e9 / GiB, 2 * 1.5e9 / GiB, "ZeRO-3"),
+        ("01.zero1_memory", 9 * 1.5e9 / GiB, 5.5 * 1.5e9 / GiB, "ZeRO-2"),
+        ("01.zero1_memory", 9 * 1.5e9 / GiB, 16 * 1.5e9 / GiB, "plain data parallelism"),
+    ],
+)
+def test_numeric_answers_and_hints(qid, right, wrong, hint):
+    assert check(qid, right).passed
+    r = check(qid, wrong)
+    assert r.status == "failed" and hint in r.message, r.message
+    assert check(qid, ...).status == "not attempted"
+
+
+def test_choices():
+    assert check("01.memory_wall", "b").passed
+    r = check("01.memory_wall", "A")
+    assert r.status == "failed" and "memory does not pool" in r.message
+    assert check("01.overlap", "C").passed
+    assert not check("01.overlap", "A").passed
+
+
+# --------------------------------------------------------------------------- gradient averaging
+
+GRAD_AVG_REFERENCE = """
+def average_gradients(model):
+    world = dist.get_world_size()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+"""
+
+GRAD_AVG_MUTANTS = {
+    "no_division": (
+        """
+def average_gradients(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+""",
+        "did you divide by the world size",
+    ),
+    "rank0_only": (
+        """
+def average_gradients(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        if dist.get_rank() == 0:
+            p.grad /= dist.get_world_size()
+""",
+        "not only rank 0",
+    ),
+    "forgot_param": (
+        """
+def average_gradients(model):
+    for p in list(model.parameters())[:-1]:
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+""",
+        "was not averaged",
+    ),
+    "params_not_grads": (
+        """
+def average_gradients(model):
+    for p in model.parameters():
+        dist.all_reduce(p.data)
+        p.data /= dist.get_world_size()
+""",
+        "not on p or p.data",
+    ),
+    "params_summed": (
+        """
+def average_gradients(model):
+    for p in model.parameters():
+        dist.all_reduce(p.data)
+""",
+        "not the parameters",
+    ),
+}
+
+
+def test_grad_avg_accepts_reference():
+    r = check("01.grad_avg", learner(GRAD_AVG_REFERENCE, "average_gradients"))
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("mutant", sorted(GRAD_AVG_MUTANTS))
+def test_grad_avg_rejects_mutant(mutant):
+    src, hint = GRAD_AVG_MUTANTS[mutant]
+    r = check("01.grad_avg", learner(src, "average_gradients"))
+    assert r.status == "failed", r
+    assert hint in r.message, r.message
+
+
+def test_grad_avg_stub_not_attempted():
+    stub = learner(
+        """
+def average_gradients(model):
+    raise NotImplementedError("your code here")
+""",
+        "average_gradients",
+    )
+    assert check("01.grad_avg", stub).status == "not attempted"
+
+
+# --------------------------------------------------------------------------- ZeRO-1
+
+def _zero1_mutant(old: str, new: str) -> str:
+    assert ZERO1_SOLUTION.count(old) == 1, f"the reference no longer has {old!r}"
+    return ZERO1_SOLUTION.replace(old, new)
+
+
+ZERO1_MUTANTS = {
+    "no_division": (_zero1_mutant("    shard.grad /= N\n", ""), "divide the shard's gradient"),
+    "no_all_gather": (
+        _zero1_mutant(
+            "    dp.all_gather(flat, shard.detach())",
+            "    flat.zero_()\n"
+            "    flat[dist.get_rank() * S:(dist.get_rank() + 1) * S] = shard.detach()\n"
+            "    mine = torch.cat([p.detach().reshape(-1) for p in params])\n"
+            "    lo, hi = dist.get_rank() * S, min((dist.get_rank() + 1) * S, mine.numel())\n"
+            "    mine[lo:hi] = flat[lo:hi]\n    flat[: mine.numel()] = mine\n",
+        ),
+        "All-gather the updated shards",
+    ),
+    "no_copy_back": (
+        _zero1_mutant(
+            "            p.copy_(flat[offset: offset + p.numel()].view_as(p))\n",
+            "            pass\n",
+        ),
+        "did not change",
+    ),
+    "all_reduce": (
+        _zero1_mutant(
+            "    dp.reduce_scatter(shard.grad, flat_grad)",
+            "    dist.all_reduce(flat_grad)\n"
+            "    shard.grad.copy_(flat_grad[dist.get_rank() * S:(dist.get_rank() + 1) * S])\n",
+        ),
+        "you used all_reduce",
+    ),
+    "fresh_optimizer": (
+        _zero1_mutant(
+            "    optimizer.step()\n", "    torch.optim.SGD([shard], lr=0.1, momentum=0.9).step()\n"
+        ),
+        "Keep the optimizer's state",
+    ),
+    "wrong_slice": (
+        _zero1_mutant(
+            "    dp.reduce_scatter(shard.grad, flat_grad)",
+            "    dp.reduce_scatter(shard.grad, flat_grad.flip(0))",
+        ),
+        "is wrong",
+    ),
+}
+
+
+def test_zero1_accepts_reference():
+    r = check("01.zero1_step", learner(ZERO1_SOLUTION, "zero1_step"))
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("mutant", sorted(ZERO1_MUTANTS))
+def test_zero1_rejects_mutant(mutant):
+    src, hint = ZERO1_MUTANTS[mutant]
+    r = check("01.zero1_step", learner(src, "zero1_step"))
+    assert r.status == "failed", r
+    assert hint in r.message, r.message
+
+
+def test_zero1_working_matches_reference_numbers():
+    # the working's numbers: 9 bytes/param under ZeRO-1 on 8 ranks, 16 under DP
+    q = questions("01")["01.zero1_memory"]
+    assert math.isclose(q.answer, 9 * 1.5e9 / GiB)
+    assert "12.57 GiB" in q.working

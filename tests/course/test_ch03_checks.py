@@ -1,0 +1,138 @@
+"""Chapter 03 questions: the GPipe grader accepts the reference and rejects each mutant."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from parlib.cost import bubble_fraction
+from parlib.course.check import check, explain
+from parlib.course.questions.ch03 import GPIPE_SOLUTION
+from parlib.course.registry import questions
+from tests.helpers.learner_code import learner as define_learner
+
+pytestmark = pytest.mark.usefixtures("clean_checks")
+
+
+def learner(src, name):
+    return define_learner(src, name, prelude="from parlib.model import loss_fn\n")
+
+
+
+
+
+
+# Mutants are the reference solution (the code the worked answer shows) with one change each.
+PLACES = {
+    "FWD_SRC": "dist.recv(x, rank - 1)",
+    "LOSS_DIV": "loss_fn(y, ys[i].to(dev)) / m",
+    "BWD_ORDER": "for i in reversed(range(m)):",
+    "ZERO": "    for i in reversed(range(m)):\n",
+    "RESULT": "return total if stage.is_last else None",
+}
+FILLED = {
+    "FWD_SRC": "dist.recv(x, {})",
+    "LOSS_DIV": "loss_fn(y, ys[i].to(dev)) / ({})",
+    "BWD_ORDER": "for i in {}:",
+    "ZERO": "    for i in reversed(range(m)):\n        {}\n",
+    "RESULT": "return {}",
+}
+
+
+def gpipe(**changes):
+    src = GPIPE_SOLUTION
+    for key, value in changes.items():
+        assert src.count(PLACES[key]) == 1, f"the reference no longer has {PLACES[key]!r}"
+        src = src.replace(PLACES[key], FILLED[key].format(value))
+    return learner(src, "gpipe_step")
+
+
+def test_ch03_questions_registered():
+    ids = set(questions("03"))
+    assert {"03.gpipe", "03.bubble", "03.bubble_naive", "03.min_microbatches",
+            "03.gpipe_inflight", "03.1f1b_inflight", "03.boundary_bytes",
+            "03.more_stages"} <= ids
+
+
+def test_numeric_answers_and_hints():
+    assert check("03.bubble", 3 / 11).passed
+    assert check("03.bubble", bubble_fraction(4, 8)).passed
+    r = check("03.bubble", 3 / 8)
+    assert r.status == "failed" and "relative to the ideal" in r.message
+    assert check("03.bubble_naive", 0.75).passed
+    assert check("03.min_microbatches", 64).passed
+    r = check("03.min_microbatches", 63)
+    assert r.status == "failed" and "exactly" in r.message
+    assert check("03.gpipe_inflight", 8).passed and check("03.1f1b_inflight", 4).passed
+    assert "warm-up" in check("03.1f1b_inflight", 3).message
+    assert check("03.boundary_bytes", 268_435_456).passed
+    assert "one direction" in check("03.boundary_bytes", 134_217_728).message
+    assert check("03.more_stages", "B").passed
+    assert check("03.more_stages", "A").status == "failed"
+
+
+def test_min_microbatches_matches_formula():
+    from parlib.cost import min_microbatches
+
+    # "under 10%" is strict: 63 gives exactly 0.1
+    assert bubble_fraction(8, 63) == pytest.approx(0.1)
+    assert min_microbatches(8, 0.1 - 1e-9) == 64
+
+
+def test_gpipe_reference_passes():
+    t0 = time.monotonic()
+    r = check("03.gpipe", gpipe())
+    assert r.passed, r
+    assert time.monotonic() - t0 < 30
+
+
+def test_gpipe_rejects_wrong_recv_order():
+    # the last stage sends gradients m-1..0 but the others take them as 0..m-1
+    r = check("03.gpipe", gpipe(BWD_ORDER="(reversed(range(m)) if stage.is_last else range(m))"))
+    assert r.status == "failed", r
+    assert "2 ranks" in r.message and "microbatch it belongs to" in r.message
+
+
+def test_gpipe_rejects_missing_accumulation():
+    r = check("03.gpipe", gpipe(ZERO="stage.zero_grad()"))
+    assert r.status == "failed", r
+    assert "only microbatch 0's share" in r.message and "add into .grad" in r.message
+
+
+def test_gpipe_rejects_backward_in_forward_order():
+    # consistent on every rank, so the all-learner cases pass: the mixed case catches it
+    r = check("03.gpipe", gpipe(BWD_ORDER="range(m)"))
+    assert r.status == "failed", r
+    assert "reference GPipe on ranks" in r.message and "m-1, ..., 0" in r.message
+
+
+def test_gpipe_rejects_loss_divided_by_wrong_count():
+    r = check("03.gpipe", gpipe(LOSS_DIV="tokens.shape[0]"))  # the batch size, not m
+    assert r.status == "failed", r
+    assert "0.5 x the single-device" in r.message and "divide each microbatch's loss by m" \
+        in r.message
+
+
+def test_gpipe_rejects_wrong_return():
+    r = check("03.gpipe", gpipe(RESULT="None"))
+    assert r.status == "failed", r
+    assert "returned None" in r.message
+
+
+def test_gpipe_deadlock_bounded_by_timeout():
+    # receives activations from rank + 1, which never sends them: every rank waits
+    t0 = time.monotonic()
+    r = check("03.gpipe", gpipe(FWD_SRC="(rank + 1) % stage.p"), timeout=5)
+    assert r.status == "failed", r
+    assert "did not finish after 5 s" in r.message
+    assert time.monotonic() - t0 < 25
+
+
+def test_gpipe_stub_not_attempted(capsys):
+    def gpipe_step(stage, tokens, targets, m):
+        raise NotImplementedError
+
+    assert check("03.gpipe", gpipe_step).status == "not attempted"
+    explain("03.gpipe")
+    assert "reversed(range(m))" not in capsys.readouterr().out  # no working before an attempt
