@@ -203,3 +203,11 @@ def test_row_parallel_rejects_mutant(name):
     r = check("02.row_parallel", define_learner(src, "row_parallel_linear", prelude=prelude))
     assert r.status == "failed", r
     assert hint in r.message, r.message
+
+
+def test_row_parallel_stub_not_attempted():
+    stub = """
+def row_parallel_linear(x, linear, group=None):
+    raise NotImplementedError("your code here")
+"""
+    assert check("02.row_parallel", row(stub)).status == "not attempted"
