@@ -130,16 +130,18 @@ def main(argv=None) -> None:
     formula = tp_sent_bytes_per_layer(b, s, h, args.t)
     ops = sorted({op for op, _, _ in records})
     sizes = sorted({n for _, n, _ in records})
+    wire_ours = f"{wire['ours'] / L:,.0f}" if wire["ours"] else "-"
+    wire_dt = f"{wire['dtensor'] / L:,.0f}" if wire["dtensor"] else "-"
     print(measure.Table(
-        ["per layer per step", "bytes"],
-        [["all-reduce calls (ours, CommLog)", len(records) / L],
-         ["message size (CommLog)", f"{sizes} B, formula {tp_message_bytes(b, s, h)} B"],
-         ["ring sends (CommLog records)", sent / L],
-         ["ring sends (formula)", formula],
-         ["written to sockets, ours", f"{wire['ours'] / L:.0f}" if wire["ours"] else "-"],
-         ["written to sockets, DTensor",
-          f"{wire['dtensor'] / L:.0f}" if wire["dtensor"] else "-"]],
-        title=f"Bytes one rank sends per layer, ops {ops}"))
+        ["per layer per step", "value"],
+        [["all-reduce calls (ours, CommLog)", f"{len(records) / L:g}"],
+         ["message bytes (CommLog)", ", ".join(f"{n:,}" for n in sizes)],
+         ["message bytes (formula b*s*h*4)", f"{tp_message_bytes(b, s, h):,}"],
+         ["ring bytes sent (CommLog records)", f"{sent / L:,.0f}"],
+         ["ring bytes sent (formula)", f"{formula:,.0f}"],
+         ["written to sockets, ours", wire_ours],
+         ["written to sockets, DTensor", wire_dt]],
+        title=f"What one rank sends per layer, ops {ops}"))
     if sent / L != formula:
         raise SystemExit(f"measured {sent / L} bytes per layer, formula {formula}")
     print(f"bytes per layer equal the formula exactly ({formula:.0f} B); "
