@@ -52,7 +52,7 @@ def test_ch03_questions_registered():
     ids = set(questions("03"))
     assert {"03.gpipe", "03.bubble", "03.bubble_naive", "03.min_microbatches",
             "03.gpipe_inflight", "03.1f1b_inflight", "03.boundary_bytes",
-            "03.more_stages"} <= ids
+            "03.more_stages", "03.dp_pp_sync"} <= ids
 
 
 def test_numeric_answers_and_hints():
@@ -70,6 +70,27 @@ def test_numeric_answers_and_hints():
     assert "one direction" in check("03.boundary_bytes", 134_217_728).message
     assert check("03.more_stages", "B").passed
     assert check("03.more_stages", "A").status == "failed"
+
+
+def test_min_microbatches_names_the_other_bubble_definition():
+    # 71 solves (p-1)/m < 0.1: the learner used the bubble relative to the ideal time
+    r = check("03.min_microbatches", 71)
+    assert r.status == "failed" and "(p-1)/m" in r.message and "(p-1)/(m+p-1)" in r.message
+    assert "70 is m + p - 1" in check("03.min_microbatches", 70).message
+
+
+def test_gpipe_inflight_working_is_consistent(capsys):
+    check("03.gpipe_inflight", 8)
+    explain("03.gpipe_inflight")
+    out = capsys.readouterr().out
+    assert "whatever m is" not in out and "grow with m" in out
+
+
+def test_dp_pp_sync_question():
+    assert check("03.dp_pp_sync", "C").passed and check("03.dp_pp_sync", "c").passed
+    assert "complete only after the last backward" in check("03.dp_pp_sync", "A").message
+    assert "stage 2's layers" in check("03.dp_pp_sync", "B").message
+    assert check("03.dp_pp_sync", "D").status == "failed"
 
 
 def test_min_microbatches_matches_formula():
