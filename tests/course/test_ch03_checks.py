@@ -157,3 +157,32 @@ def test_gpipe_stub_not_attempted(capsys):
     assert check("03.gpipe", gpipe_step).status == "not attempted"
     explain("03.gpipe")
     assert "reversed(range(m))" not in capsys.readouterr().out  # no working before an attempt
+
+
+def _notebook_sources(kind):
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parents[2] / "notebooks/03_pipeline_parallel.ipynb")
+                    .read_text())
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == kind]
+
+
+def test_chapter_prose_facts_match_the_formulas():
+    import re
+
+    from parlib import cost
+
+    text = "\n".join(_notebook_sources("markdown"))
+    code = "\n".join(_notebook_sources("code"))
+    half = cost.min_microbatches(4, bubble_fraction(4, 8) / 2)
+    assert f"halving that needs m = {half}" in text and half == 19
+    # the explorer's m slider reaches the answer the text asks for (p = 8 under 10%)
+    slider = re.search(r"IntSlider\(value=8, min=1, max=(\d+), description=\"microbatches m\"",
+                       code)
+    assert slider and int(slider.group(1)) >= cost.min_microbatches(8, 0.1 - 1e-9)
+    assert "description_width" in code and code.count("display(explorer)") == 1
+    assert "widgets.interact(" not in code and "\nexplore()" not in code  # drawn once
+    # no test plumbing or course-symbol aliases in what the learner reads
+    assert "NBVAL" not in code and not re.search(r"\bP\.\w", text + code)
+    assert "tenths of a millisecond" not in text
