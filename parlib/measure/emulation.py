@@ -66,17 +66,16 @@ class StageCost:
             time.sleep(left)
 
     def describe(self) -> str:
-        text = (f"emulated stage cost (time.sleep): {self.forward * 1e3:g} ms forward + "
-                f"{self.backward * 1e3:g} ms backward per row, + {self.per_call * 1e3:g} ms "
-                f"per call")
+        text = (f"emulated stage cost (time.sleep): forward {self.forward * 1e3:g} ms/row, "
+                f"backward {self.backward * 1e3:g} ms/row, + {self.per_call * 1e3:g} ms per call")
         for stage, f in self.slow:
-            text += f"; stage {stage} {f:g}x slower"
+            text += f";\n  stage {stage} {f:g}x slower"
         return text
 
 
 def default_cost(device: Any) -> StageCost | None:
     """Emulate on the CPU (ranks compete for cores), use real compute on GPUs."""
-    return None if str(device).startswith("cuda") else StageCost(0.005, 0.010, 0.001)
+    return None if str(device).startswith("cuda") else StageCost(0.010, 0.020, 0.002)
 
 
 __all__ = ["StageCost", "default_cost"]
