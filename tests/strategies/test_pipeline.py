@@ -107,7 +107,9 @@ def test_emulated_cost_shows_pipelining():
     res = _run(2, "gpipe", 4, cost=stage_cost, repeats=2)
     spans = pipeline.median_run(res)
     ideal = cost.ideal_step_time(2, 4, stage_cost.stage_time(2))  # 8 rows / 4 = 2 per mb
-    assert ideal * 0.99 <= makespan(spans) <= ideal * 1.35
+    # upper bound: room for late wake-ups on a busy 2-core machine (1.41 x measured at a load
+    # of 40), still well under the unpipelined p x m x t = 1.6 x ideal
+    assert ideal * 0.99 <= makespan(spans) <= ideal * 1.5
     want = stage_cost.duration("forward", 2) * 0.99
     assert all(s.duration >= want for row in spans for s in row if s.kind == "forward")
 
