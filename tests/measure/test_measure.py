@@ -142,3 +142,20 @@ def _commlog_restores_after_error():
 
 def test_commlog_restores_dist_functions_after_an_error():
     assert parlib.launch(_commlog_restores_after_error, world_size=1) == [True]
+
+
+def test_stage_cost_scales_with_rows():
+    from parlib.measure.emulation import StageCost, default_cost
+
+    c = StageCost(0.005, 0.010, 0.001)
+    assert c.duration("forward", 8) == pytest.approx(0.041)
+    assert c.duration("backward", 1) == pytest.approx(0.011)
+    # a microbatch of b rows costs b/B of the batch, plus the per-call time
+    assert c.stage_time(2) - 2 * c.per_call == pytest.approx((c.stage_time(8) - 0.002) / 4)
+    slow = c.with_slow_stage(2, 2.0)
+    assert slow.stage_time(4, 2) == pytest.approx(2 * c.stage_time(4))
+    assert slow.stage_time(4, 1) == pytest.approx(c.stage_time(4))
+    assert "emulated" in slow.describe() and "stage 2 2x slower" in slow.describe()
+    assert default_cost("cuda:0") is None and default_cost("cpu").per_row > 0
+    with pytest.raises(ValueError):
+        StageCost(-1.0)
