@@ -16,6 +16,7 @@ ch03fix: item 4). They are written for the target behaviour and are never skippe
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -35,7 +36,10 @@ from .jlab import (
     JS_WATCH_STREAMING,
 )
 
-pytestmark = [pytest.mark.ui, pytest.mark.timeout(420)]
+# Run All of one notebook; the three together take about 3 minutes on a quiet 2-core machine.
+# Raise it (seconds) on a machine shared with other work.
+RUN_ALL_TIMEOUT = float(os.environ.get("PARLIB_UI_RUN_ALL_TIMEOUT", 300))
+pytestmark = [pytest.mark.ui, pytest.mark.timeout(RUN_ALL_TIMEOUT + 180)]
 
 CH00 = "notebooks/00_launching_ranks.ipynb"
 EX00 = "exercises/00_launching_ranks.ipynb"
@@ -52,6 +56,7 @@ class Opened:
     cells: list = field(default_factory=list)
     streams: dict = field(default_factory=dict)
     seconds: float = 0.0
+    unfinished: str = ""  # why Run All did not finish, if it did not
 
 
 _RESULTS: dict[str, Opened] = {}  # every notebook opened so far, with what was seen
@@ -104,10 +109,10 @@ def show_cell(page, nb: Opened, index: int) -> None:
 def ran(page, path: str) -> Opened:
     """What Run All showed in `path` (running it if no test has yet)."""
     nb = _RESULTS.get(path)
-    return nb if nb is not None and nb.cells else run_all(page, path)
+    return nb if nb is not None and (nb.cells or nb.unfinished) else run_all(page, path)
 
 
-def run_all(page, path: str, timeout: float = 300) -> Opened:
+def run_all(page, path: str, timeout: float = RUN_ALL_TIMEOUT) -> Opened:
     """Run every cell of `path`, open in the page (once while it stays open)."""
     if path in _OPEN and _RESULTS[path].cells:
         return _RESULTS[path]
@@ -122,8 +127,10 @@ def run_all(page, path: str, timeout: float = 300) -> Opened:
         return (not any(busy(c) for c in now if c["type"] == "code")
                 and page.evaluate(JS_KERNEL_IDLE, path)) and now
 
-    finished()
-    _wait(finished, timeout, f"Run All in {path}", poll=0.5)
+    try:
+        _wait(finished, timeout, f"Run All in {path}", poll=0.5)
+    except AssertionError as err:  # keep what was shown; no later test runs it again
+        nb.unfinished = str(err)
     time.sleep(1.0)  # widgets render after the kernel goes idle
     nb.seconds = time.monotonic() - start
     nb.cells = cells(page, path)
@@ -147,6 +154,7 @@ NOTEBOOKS = [CH00, EX00, CH03]
 @pytest.mark.parametrize("path", NOTEBOOKS)
 def test_run_all_shows_no_error(page, path):
     nb = run_all(page, path)
+    assert not nb.unfinished, nb.unfinished
     errors = [(c["index"], o["name"], o["text"][-600:]) for c in nb.cells
               for o in c["outputs"] if o["type"] == "error"]
     if errors:
