@@ -193,13 +193,12 @@ def shard_of(full: torch.Tensor, dim: int | None, tp_index: int, t: int) -> torc
     return full if dim is None else full.chunk(t, dim=dim)[tp_index]
 
 
-def check_against_single_device(results: Sequence[dict[str, Any]],
-                                reference: dict[str, Any]) -> dict[str, Any]:
-    """Compare every rank's losses, per-step gradients and final parameters with
-    :func:`single_device_history`. Returns ``ok``, ``worst`` (largest |difference|),
-    ``where`` (its rank and tensor), ``checked`` (tensors compared) and ``mismatched``."""
-    from parlib.verify import compare
-
+def pair_with_reference(results: Sequence[dict[str, Any]], reference: dict[str, Any]
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(got, want): every rank's losses, per-step gradients and final parameters, and the
+    same pieces of :func:`single_device_history` (the shard each rank should hold), keyed
+    alike ("rank 3 step 1 grad blocks.0.attn.q.weight"); compare them with
+    :func:`parlib.verify.compare`."""
     got: dict[str, torch.Tensor] = {}
     want: dict[str, torch.Tensor] = {}
     for r in results:
@@ -220,15 +219,13 @@ def check_against_single_device(results: Sequence[dict[str, Any]],
                 key = f"rank {rank} step {step} loss"
                 got[key] = torch.tensor(loss)
                 want[key] = torch.tensor(reference["losses"][step])
-    result = compare(got, want)
-    return {"ok": result.ok, "worst": result.worst, "where": result.where,
-            "checked": len(got), "mismatched": list(result.mismatched), "summary": str(result)}
+    return got, want
 
 
 __all__ = [
     "axis_traffic",
     "build_3d",
-    "check_against_single_device",
+    "pair_with_reference",
     "rank_train_3d",
     "shard_of",
     "single_device_history",
