@@ -26,8 +26,12 @@ from parlib import measure
 from parlib.comm import quiet_renames
 from parlib.cost.tensor import tp_message_bytes, tp_sent_bytes_per_layer
 from parlib.model import ModelConfig, build_model, loss_fn, make_batch
-from parlib.strategies.tensor import local_shards, tensor_parallel_copy, torch_tensor_parallel
-from parlib.style import run_label
+from parlib.plots import run_label
+from parlib.strategies.tensor import (
+    local_shards,
+    tensor_parallel_copy,
+    torch_tensor_parallel,
+)
 
 KINDS = ("ours", "dtensor")
 TOL = 1e-5

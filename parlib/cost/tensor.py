@@ -5,11 +5,15 @@ its (b, s, h) activations twice in forward (after attention, after the MLP) and 
 in backward (the gradients entering the two column-parallel regions). Sequence
 parallelism (Korthikanti et al. 2022) replaces each all-reduce by a reduce-scatter plus
 an all-gather: the same bytes on the wire.
+
+Also here: sequence parallelism's small extra messages, the parameters one rank holds
+under t-way tensor parallelism, and the LayerNorm activations sequence parallelism splits.
 """
 
 from __future__ import annotations
 
 from parlib.cost.collectives import predicted_sent_bytes
+from parlib.cost.model import Model
 
 ALL_REDUCES_PER_LAYER = {"forward": 2, "backward": 2}
 
@@ -58,25 +62,32 @@ def sp_boundary_sent_bytes(b: int, s: int, h: int, t: int, dtype_bytes: int = 4)
     return 2 * predicted_sent_bytes("all_gather", tp_message_bytes(b, s, h, dtype_bytes), t)
 
 
-def tp_layer_params(h: int, mlp_width: int, t: int, bias: bool = True) -> dict[str, float]:
-    """Parameters one rank holds of one transformer layer under t-way TP:
-    {"split": 1/t of q, k, v, out (4h^2) and MLP up, down (2h x mlp_width), plus the biases
-    of q, k, v, up; "replicated": the biases of out and down, and two LayerNorms (4h)}."""
-    if t < 1 or h % t or mlp_width % t:
-        raise ValueError(f"t={t} must be >= 1 and divide h={h} and mlp_width={mlp_width}")
-    split = 4 * h * h + 2 * h * mlp_width + (3 * h + mlp_width if bias else 0)
-    replicated = 4 * h + (2 * h if bias else 0)
+def tp_layer_params(model: Model, t: int) -> dict[str, float]:
+    """Parameters one rank holds of one transformer layer under t-way tensor parallelism
+    (Megatron's split; ``model`` is a :class:`parlib.cost.model.Model`):
+
+    - "split", 1/t each: the matrices of q, k, v, out and the MLP, and the biases of the
+      column-parallel layers (q, k, v, up);
+    - "replicated", whole on every rank: the two norms, and the biases of the row-parallel
+      layers (out, down), added once after the reduction.
+    """
+    if t < 1 or model.n_kv_heads % t or model.ffn_dim % t:
+        raise ValueError(f"t={t} must be >= 1 and divide the heads (n_kv_heads="
+                         f"{model.n_kv_heads}) and ffn_dim={model.ffn_dim}")
+    h, kv, f = model.d_model, model.kv_dim, model.ffn_dim
+    column_biases = h + 2 * kv + (2 if model.gated_mlp else 1) * f if model.bias else 0
+    split = model.layer_matmul_params + column_biases
+    replicated = model.layer_params - split  # the norms and the row-parallel biases
     return {"split": split / t, "replicated": float(replicated)}
 
 
-def tp_params_per_rank(vocab: int, s: int, h: int, n_layers: int, mlp_width: int,
-                       t: int) -> float:
-    """Parameters one rank holds of the course's TinyGPT under t-way TP: the split layers'
-    1/t, plus what stays whole (token and position embeddings, final LayerNorm and the
-    vocabulary projection, and each layer's replicated vectors)."""
-    layer = tp_layer_params(h, mlp_width, t)
-    whole = vocab * h + s * h + 2 * h + h * vocab + vocab
-    return n_layers * (layer["split"] + layer["replicated"]) + whole
+def tp_params_per_rank(model: Model, t: int) -> float:
+    """Parameters one rank holds of the whole model under t-way tensor parallelism: each
+    layer's split part / t and replicated part, plus the embeddings and the head, which
+    stay whole (a vocabulary-parallel embedding and head would split them too)."""
+    layer = tp_layer_params(model, t)
+    return (model.n_layers * (layer["split"] + layer["replicated"]) + model.embedding_params
+            + model.head_params)
 
 
 __all__ += ["SP_PARTIAL_GRAD_VECTORS_PER_LAYER", "sp_boundary_sent_bytes",
@@ -88,27 +99,16 @@ __all__ += ["SP_PARTIAL_GRAD_VECTORS_PER_LAYER", "sp_boundary_sent_bytes",
 # --------------------------------------------------------------------------------------
 
 
-def megatron_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1,
-                                        sequence_parallel: bool = False) -> float:
-    """Activation bytes one rank stores per transformer layer for backward, 16-bit
-    activations with dropout, no recomputation (Korthikanti et al. 2022, Table 2):
-    sbh(34 + 5as/h) on one device; sbh(10 + 24/t + 5as/(ht)) under t-way TP (the 10
-    are the LayerNorm and dropout activations every rank keeps whole); and
-    sbh/t (34 + 5as/h) with sequence parallelism as well. ``a`` is the number of heads."""
-    sbh = s * b * h
-    if sequence_parallel:
-        return sbh / t * (34 + 5 * a * s / h)
-    return sbh * (10 + 24 / t + 5 * a * s / (h * t))
-
-
 def layernorm_saved_bytes_per_layer(b: int, s: int, h: int, t: int = 1,
                                     sequence_parallel: bool = False,
                                     dtype_bytes: int = 4) -> float:
     """Bytes the two LayerNorms of one course TinyGPT block keep for backward on each rank:
     their input (b*s*h) and each position's mean and 1/std (2*b*s). Tensor parallelism
-    leaves them whole; sequence parallelism runs them on s/t positions."""
+    leaves them whole; sequence parallelism runs them on s/t positions. (The norms' share
+    of :func:`parlib.cost.memory.activation_bytes_per_layer`, plus the statistics, for the
+    measured model.)"""
     positions = s / t if sequence_parallel else s
     return 2 * (b * positions * h + 2 * b * positions) * dtype_bytes
 
 
-__all__ += ["layernorm_saved_bytes_per_layer", "megatron_activation_bytes_per_layer"]
+__all__ += ["layernorm_saved_bytes_per_layer"]

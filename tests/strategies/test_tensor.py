@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import parlib
+from parlib.cost.model import Model
 from parlib.cost.tensor import (
     sp_boundary_sent_bytes,
     sp_sent_bytes_per_layer,
@@ -86,9 +87,7 @@ def test_tp_training_equals_single_device(t, sequence_parallel):
         assert sum(k.startswith("grad ") for k in errs) == n_full  # every gradient compared
         bad = {k: v for k, v in errs.items() if v > TOL}
         assert not bad, f"rank {rank} of {t}: {bad}"
-        mlp_width = CFG.mlp_ratio * CFG.d_model
-        assert n_local == tp_params_per_rank(CFG.vocab_size, CFG.seq_len, CFG.d_model,
-                                             CFG.n_layers, mlp_width, t)
+        assert n_local == tp_params_per_rank(Model.from_config(CFG), t)
     assert n_local < count_parameters(build_model(CFG))
 
 
