@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cluster",
+    "Mesh",
     "RankError",
     "check",
     "device",
@@ -45,6 +46,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Mesh":  # lazily: the front door stays light for ranks that never use it
+        from parlib.strategies.mesh import Mesh
+
+        return Mesh
     if name in ("check", "explain"):
         from parlib.course import check as checks
 

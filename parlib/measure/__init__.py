@@ -8,7 +8,7 @@
 - :mod:`~parlib.measure.memory`: bytes of parameters, gradients, optimizer state and saved
   activations (:class:`SavedActivations`, :func:`memory_breakdown`).
 - :mod:`~parlib.measure.timeline`: spans per rank (:class:`Recorder`) and their analysis.
-- :mod:`~parlib.measure.emulation`: emulated stage cost, labelled as such.
+- :mod:`~parlib.measure.emulation`: emulated stage cost and slow links, labelled as such.
 
 The names below load their module on first use, so that ``parlib.measure.timeline`` (no
 torch) can be imported without torch.
@@ -28,7 +28,7 @@ _WHERE = {
     "tensor_bytes": "memory",
     "Recorder": "timeline", "Span": "timeline", "align": "timeline", "busy_time": "timeline",
     "idle_spans": "timeline", "makespan": "timeline", "measured_bubble": "timeline",
-    "StageCost": "emulation", "default_cost": "emulation",
+    "SlowLink": "emulation", "StageCost": "emulation", "default_cost": "emulation",
 }
 
 __all__ = sorted(_WHERE)

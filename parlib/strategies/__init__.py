@@ -1,0 +1,1 @@
+"""Ways to split training over ranks: one module per strategy."""

@@ -1,0 +1,205 @@
+"""Chapter 02 questions: each grader accepts the reference and rejects each mutant with a
+hint that names the mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+from parlib.cost.tensor import tp_sent_bytes_per_layer
+from parlib.course.check import check, explain
+from parlib.course.questions.ch02 import F_AND_G_SOLUTION, ROW_PARALLEL_SOLUTION
+from parlib.course.registry import questions
+from tests.helpers.learner_code import learner as define_learner
+
+pytestmark = pytest.mark.usefixtures("clean_checks")
+
+GiB = 2**30
+
+
+def test_ch02_questions_registered():
+    ids = set(questions("02"))
+    assert {"02.f_and_g", "02.row_parallel", "02.bytes_per_layer", "02.layer_memory",
+            "02.slow_link", "02.t_within_node", "02.mlp_split"} <= ids
+    for q in questions("02").values():
+        assert q.working and q.prompt
+
+
+# --------------------------------------------------------------------------- numeric / choice
+
+
+@pytest.mark.parametrize("qid, right, wrong, hint", [
+    ("02.bytes_per_layer", 939_524_096, 469_762_048, "forward only"),
+    ("02.bytes_per_layer", 939_524_096, 536_870_912, "2(t-1)/t"),
+    ("02.bytes_per_layer", 939_524_096, 2 * 939_524_096, "bf16"),
+    ("02.layer_memory", 1.5, 12.0, "whole layer"),
+    ("02.layer_memory", 1.5, 1.0, "MLP alone"),
+    ("02.layer_memory", 1.5, 1.5 * GiB / 1e9, "GiB"),
+])
+def test_numeric_answers_and_hints(qid, right, wrong, hint):
+    assert check(qid, right).passed
+    r = check(qid, wrong)
+    assert r.status == "failed" and hint in r.message, r.message
+
+
+def test_bytes_per_layer_is_the_formula():
+    assert check("02.bytes_per_layer", tp_sent_bytes_per_layer(4, 2048, 8192, 8, 2)).passed
+
+
+def test_choices():
+    assert check("02.slow_link", "b").passed
+    assert "4 times per layer" in check("02.slow_link", "A").message
+    assert check("02.t_within_node", "A").passed
+    assert not check("02.t_within_node", "C").passed
+    assert check("02.mlp_split", "C").passed
+    assert "partial sum" in check("02.mlp_split", "B").message
+
+
+# --------------------------------------------------------------------------- f and g
+
+def f_and_g(src=F_AND_G_SOLUTION):
+    ns_f = define_learner(src, "CopyToParallelRegion")
+    ns_g = define_learner(src, "ReduceFromParallelRegion")
+    return ns_f, ns_g
+
+
+# one change each to the reference
+F_AND_G_MUTANTS = {
+    "f all-reduces in forward, not backward (wrong direction)": (
+        [("        return x.view_as(x)          # every rank already holds the same x",
+          "        out = x.clone()\n        dist.all_reduce(out, group=group)\n"
+          "        return out"),
+         ("        grad = grad.clone()          # each rank holds its slice's share of dL/dx\n"
+          "        dist.all_reduce(grad, group=ctx.group)\n", "")],
+        "f all-reduces in forward"),
+    "f's backward forgets the all-reduce": (
+        [("        dist.all_reduce(grad, group=ctx.group)\n", "")],
+        "f's backward returns the gradient unchanged"),
+    "f's backward averages (divides by t)": (
+        [("        dist.all_reduce(grad, group=ctx.group)\n",
+          "        dist.all_reduce(grad, group=ctx.group)\n"
+          "        grad /= dist.get_world_size(ctx.group)\n")],
+        "divides by t"),
+    "g forgets its all-reduce": (
+        [("        dist.all_reduce(out, group=group)\n        return out\n\n    @staticmethod\n"
+          "    def backward(ctx, grad):\n        return grad, None",
+          "        return out\n\n    @staticmethod\n"
+          "    def backward(ctx, grad):\n        return grad, None")],
+        "g returns its input"),
+    "g also all-reduces the gradient (duplicated gradient)": (
+        [("        return grad, None            # the gradient is already whole on every rank",
+          "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad, None")],
+        "t times too big"),
+}
+
+
+def test_f_and_g_reference_passes():
+    r = check("02.f_and_g", f_and_g())
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("name", list(F_AND_G_MUTANTS))
+def test_f_and_g_rejects_mutant(name):
+    changes, hint = F_AND_G_MUTANTS[name]
+    src = F_AND_G_SOLUTION
+    for old, new in changes:
+        assert src.count(old) == 1, f"the reference no longer has {old!r}"
+        src = src.replace(old, new)
+    r = check("02.f_and_g", f_and_g(src))
+    assert r.status == "failed", r
+    assert hint in r.message, r.message
+
+
+def test_f_and_g_answer_form():
+    assert check("02.f_and_g", ...).status == "not attempted"
+    f_cls, _ = f_and_g()
+    r = check("02.f_and_g", f_cls)
+    assert r.status == "failed" and "pair" in r.message
+    r = check("02.f_and_g", (f_cls, f_cls.apply))
+    assert r.status == "failed" and "torch.autograd.Function" in r.message
+
+
+def test_f_and_g_stub_not_attempted(capsys):
+    stub = '''
+class CopyToParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError
+
+
+class ReduceFromParallelRegion(CopyToParallelRegion):
+    pass
+'''
+    assert check("02.f_and_g", f_and_g(stub)).status == "not attempted"
+    explain("02.f_and_g")
+    assert "dist.all_reduce(grad" not in capsys.readouterr().out  # no working yet
+
+
+# --------------------------------------------------------------------------- row parallel
+
+PRELUDE = "from parlib.strategies import tensor_ops\n"
+SUM = "    total = tensor_ops.reduce_from_tensor_parallel_region(partial, group) "
+
+
+def row(src=ROW_PARALLEL_SOLUTION):
+    return define_learner(src, "row_parallel_linear", prelude=PRELUDE)
+
+
+ROW_MUTANTS = {
+    "bias added on every rank, before the all-reduce": (
+        [("    partial = x @ weight.T", "    partial = x @ weight.T + linear.bias"),
+         ("    return total + linear.bias ", "    return total ")],
+        "t - 1 biases too big"),
+    "split along the wrong dimension (rows of torch's weight)": (
+        [("    weight = linear.weight[:, rank * cols:(rank + 1) * cols]",
+          "    weight = linear.weight[rank * cols:(rank + 1) * cols, :].T")],
+        "you took rows of linear.weight"),
+    "forgotten all-reduce": (
+        [(SUM, "    total = partial ")],
+        "only its own partial sum"),
+    "all-reduce in the wrong direction (f instead of g)": (
+        [(SUM,
+          "    total = copy_to_tensor_parallel_region(partial, group) ")],
+        "only its own partial sum"),
+    "partial sums averaged": (
+        [(SUM,
+          SUM.rstrip() + " / t ")],
+        "sum them (no division by t)"),
+    "autograd all-reduce: the gradient summed again in backward": (
+        [(SUM,
+          "    total = torch.distributed.nn.functional.all_reduce(partial, group=group"
+          " or dist.group.WORLD) ")],
+        "t times too big"),
+}
+
+
+def test_row_parallel_reference_passes():
+    r = check("02.row_parallel", row())
+    assert r.passed, r
+
+
+def test_row_parallel_plain_dist_all_reduce_passes():
+    # dist.all_reduce in forward is invisible to autograd: its backward is the identity,
+    # which is exactly g's. A learner who writes it this way is right.
+    src = ROW_PARALLEL_SOLUTION.replace(
+        SUM,
+        "    dist.all_reduce(partial, group=group)\n    total = partial ")
+    r = check("02.row_parallel", row(src))
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("name", list(ROW_MUTANTS))
+def test_row_parallel_rejects_mutant(name):
+    changes, hint = ROW_MUTANTS[name]
+    src = ROW_PARALLEL_SOLUTION
+    for old, new in changes:
+        assert src.count(old) == 1, f"the reference no longer has {old!r}"
+        src = src.replace(old, new)
+    prelude = PRELUDE + ("from parlib.strategies.tensor_ops import "
+                         "copy_to_tensor_parallel_region\nimport torch.distributed.nn\n")
+    r = check("02.row_parallel", define_learner(src, "row_parallel_linear", prelude=prelude))
+    assert r.status == "failed", r
+    assert hint in r.message, r.message

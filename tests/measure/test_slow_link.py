@@ -1,0 +1,68 @@
+"""parlib.measure.SlowLink: each collective takes at least the alpha-beta time of its bytes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parlib
+from parlib.cost.collectives import collective_time
+from parlib.measure import CommLog, SlowLink
+
+ALPHA, BETA = 1e-3, 20e-9  # 1 ms per message step, 50 MB/s
+
+
+def _slowed_calls():
+    from parlib import comm
+
+    n = dist.get_world_size()
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_single")}
+    t = torch.ones(2**18)  # 1 MiB
+    out = torch.empty(n * t.numel())
+    seconds = {}
+    with SlowLink(ALPHA, BETA) as link:
+        with CommLog() as log:  # inside: its seconds include the emulated time
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            seconds["all_reduce"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            comm.all_gather(out, t)
+            seconds["all_gather"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            work = dist.all_reduce(t, async_op=True)
+            issued = time.perf_counter() - t0
+            work.wait()
+            seconds["async"] = time.perf_counter() - t0
+        extra = {"all_reduce": link.extra_seconds("all_reduce", t.numel() * 4, n),
+                 "all_gather": link.extra_seconds("all_gather", out.numel() * 4, n)}
+    restored = all(getattr(dist, k) is v for k, v in originals.items())
+    return seconds, extra, issued, log.seconds("all_reduce"), restored
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_collective_takes_at_least_its_emulated_time(n):
+    seconds, extra, issued, logged, restored = parlib.launch(_slowed_calls, world_size=n)[0]
+    assert extra["all_reduce"] == collective_time("all_reduce", 2**20, n, ALPHA, BETA)
+    assert extra["all_gather"] == collective_time("all_gather", n * 2**20, n, ALPHA, BETA)
+    assert seconds["all_reduce"] >= extra["all_reduce"]
+    assert seconds["all_gather"] >= extra["all_gather"]
+    assert issued < extra["all_reduce"] <= seconds["async"]  # async: the wait pays it
+    assert logged >= seconds["all_reduce"] - 1e-3 >= extra["all_reduce"] - 1e-3
+    assert restored
+
+
+def test_describe_says_emulated():
+    assert "emulated" in SlowLink(5e-5, 1e-9).describe()
+
+
+def test_blocks_close_in_reverse_order():
+    outer, inner = SlowLink(), SlowLink(1.0)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="reverse order"):
+        outer.__exit__(None, None, None)
+    inner.__exit__(None, None, None)
+    outer.__exit__(None, None, None)
