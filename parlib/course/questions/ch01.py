@@ -365,9 +365,10 @@ def _grade_acc(fn) -> None:
         except RankError as err:
             kind = (err.exc_type or "").lower()
             text = f"{err} {err.remote_traceback or ''}".lower()
-            stuck = kind in ("timeout", "timeouterror") or any(
+            # A hang, or a peer's collective torn down: the ranks' collectives did not match.
+            stuck = kind in ("timeout", "timeouterror", "exited") or any(
                 w in text for w in ("connection closed", "connection reset", "gloo",
-                                    "broken pipe"))
+                                    "broken pipe", "sigabrt"))
             if stuck and kind != "notimplementederror":
                 t = f" after {current_timeout():g} s" if kind.startswith("timeout") else ""
                 where = f"rank {err.rank} stopped first" if err.rank is not None else \
@@ -399,7 +400,7 @@ register(
     Implementation(
         "01.grad_accum",
         _grade_acc,
-        timeout=60.0,
+        timeout=120.0,
         prompt="""
         Write accumulation_step(model, optimizer, microbatches, loss_fn) -> None: one
         data-parallel training step with gradient accumulation. `microbatches` is this rank's
