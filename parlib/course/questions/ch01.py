@@ -607,7 +607,7 @@ register(
     Implementation(
         "01.zero1_step",
         _grade_zero1,
-        timeout=30.0,
+        timeout=120.0,
         prompt="""
         Write zero1_step(params, shard, optimizer) -> None, one ZeRO-1 optimizer step after
         loss.backward(). `params` is the model's parameter list (same order on every rank,
