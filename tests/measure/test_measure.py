@@ -19,7 +19,8 @@ def test_table_text_and_html():
     assert text.splitlines()[0] == "race <1>"
     assert "naive" in text and "140.8" in text and "50.3" in text
     html = t._repr_html_()
-    assert "<table>" in html and "race &lt;1&gt;" in html and "<td>naive</td>" in html
+    assert "<table>" in html and "race &lt;1&gt;" in html
+    assert '<td style="text-align: left">naive</td>' in html and "<td>140.8</td>" in html
     assert t.column("ms") == [140.83, 50.3]
     with pytest.raises(ValueError):
         measure.Table(["a", "b"], [[1]])
