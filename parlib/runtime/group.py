@@ -119,6 +119,12 @@ class RankGroup:
             threads = threads_per_rank(self.world_size)
             from parlib.runtime import worker  # torch loads in the forkserver, not here
 
+            if ctx.get_start_method() == "forkserver":
+                from multiprocessing import forkserver
+
+                with procs.main_module_hidden():
+                    forkserver.ensure_running()  # slow the first time: interruptible
+
             for rank in range(self.world_size):
                 parent_ctrl, child_ctrl = ctx.Pipe(duplex=True)
                 self._loose += [parent_ctrl, child_ctrl]
@@ -131,10 +137,12 @@ class RankGroup:
                     args=(self._spec(rank, env, threads), child_ctrl, out_w, err_w, lifeline_r),
                     name=f"parlib-rank-{rank}",
                 )
-                with procs.main_module_hidden():
+                # An interrupt inside start() could leave a rank nobody tracks, or kill the
+                # forkserver mid-handshake: hold it back until the rank is on our list.
+                with procs.interrupts_deferred(), procs.main_module_hidden():
                     proc.start()
-                self.procs.append(proc)
-                self.ids.append((proc.pid, procs.start_time(proc.pid)))
+                    self.procs.append(proc)
+                    self.ids.append((proc.pid, procs.start_time(proc.pid)))
                 self.ctrls.append(parent_ctrl)
                 self.output.add(rank, out_r, False)
                 self.output.add(rank, err_r, True)
