@@ -220,7 +220,7 @@ def format_frames(frames: list[tuple[str, int, str, str]],
     for filename, lineno, name, line in shown:
         filename = _source_file(filename, lineno, name, index or {})
         source = line or linecache.getline(filename, lineno).strip()
-        lines.append(f'  File "{_cell_name(filename)}", line {lineno}, in {name}')
+        lines.append(f"  {_location(filename)}, line {lineno}, in {name}")
         if source:
             lines.append(f"    {source}")
     return "\n".join(lines) if shown else ""
@@ -229,9 +229,9 @@ def format_frames(frames: list[tuple[str, int, str, str]],
 def where_text(frames: list[tuple[str, int, str, str]],
                index: dict[str, list[tuple[str, int, int]]] | None = None) -> str:
     """Where a rank was, in one line: its innermost frame in the learner's code."""
-    mine = [f for f in frames if not is_library_frame(f[0])] or frames[-1:]
+    mine = [f for f in frames if not is_library_frame(f[0])]
     if not mine:
-        return "an unknown place"
+        return "a function with no Python source of yours (a builtin or a library)"
     filename, lineno, name, line = mine[-1]
     filename = _source_file(filename, lineno, name, index or {})
     source = line or linecache.getline(filename, lineno).strip()
@@ -273,6 +273,12 @@ def failure_error(errors: list[dict[str, Any]], index: dict[str, list[tuple[str,
         full_traceback=format_frames(root["frames"], index, everything=True)
         + f"\n{root['exc_type']}: {root['message']}",
     )
+
+
+def _location(filename: str) -> str:
+    """``Cell In[5]`` for a notebook cell, else ``File "path"`` (as IPython writes them)."""
+    name = _cell_name(filename)
+    return name if name.startswith("Cell In[") else f'File "{name}"'
 
 
 def _cell_name(filename: str) -> str:

@@ -86,6 +86,7 @@ class RankGroup:
         self._loose: list[Any] = []  # pipe ends not yet owned by a rank
         self.closed = True
         self._code_index: dict[str, list[tuple[str, int, int]]] = {}
+        self._limit_s = self.timeout
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> RankGroup:
@@ -316,6 +317,7 @@ class RankGroup:
         errors: list[dict[str, Any]] = []
         dead: set[int] = set()
         n = self.world_size
+        self._limit_s = deadline - time.monotonic()
 
         def settled() -> bool:
             return len(replies) + len({e["rank"] for e in errors} | dead - set(replies)) >= n
@@ -441,7 +443,7 @@ class RankGroup:
         note = ("(every rank was stopped in Python code; the ranks and their variables are "
                 "kept)" if kept and self.warm else "" if kept else self._lost_note("timeout"))
         raise RankError(
-            f"rank(s) {format_ranks(stuck)} did not finish within the time limit; "
+            f"rank(s) {format_ranks(stuck)} did not finish within {self._limit_s:.3g} s; "
             f"they were stopped.{hint}\n{note}".rstrip(),
             rank=stuck[0], exc_type="Timeout", remote_traceback=stacks, kept=kept,
         )

@@ -2,6 +2,7 @@
 tracebacks mapped to cells, %%ranks, interrupts and a killed kernel."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -21,7 +22,7 @@ def _text(cell):
         if out.output_type == "stream":
             parts.append(out.text)
         elif out.output_type == "error":
-            parts.append("\n".join(out.traceback))
+            parts.append(re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(out.traceback)))
         elif "data" in out:
             parts.append(out.data.get("text/plain", ""))
     return "".join(parts)
