@@ -17,6 +17,7 @@ import argparse
 import itertools
 import linecache
 import shlex
+import sys
 from typing import Any
 
 from parlib.runtime.cluster import Cluster
@@ -53,6 +54,18 @@ def _run_cell_on(ranks: tuple[int, ...] | None, source: str, filename: str,
     return exec_cell(source, filename, outputs)
 
 
+def _running_cell_number(shell: Any) -> int:
+    """The In[n] of the cell running this magic: the number IPython gave the file of the
+    frame that called it (``execution_count`` may already point at the next cell)."""
+    known = getattr(shell.compile, "_filename_map", {})
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename in known:
+            return known[frame.f_code.co_filename]
+        frame = frame.f_back
+    return shell.execution_count
+
+
 def _cell_file(line: str, cell: str) -> tuple[str, str]:
     """A file name for the cell that tracebacks show as IPython does (``Cell In[5]``), and
     the source to run, padded so that its line numbers are the cell's as the page shows
@@ -66,7 +79,7 @@ def _cell_file(line: str, cell: str) -> tuple[str, str]:
     except ImportError:
         shell = None
     if shell is not None and hasattr(shell, "compile"):
-        number = shell.execution_count
+        number = _running_cell_number(shell)
         try:
             name = shell.compile.cache(text, number, raw_code=f"# %%ranks {number}\n{text}")
             return name, source
