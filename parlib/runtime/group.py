@@ -381,7 +381,7 @@ class RankGroup:
         stuck = [r for r in running if r not in stopped]
         stacks = self._stacks(stuck) if stuck and kind == "ok" else ""
         lines = []
-        for e in errors:
+        for e in sorted(errors, key=lambda e: e["rank"]):
             if e["rank"] in stopped:
                 lines.append(f"  rank {e['rank']} was at "
                              f"{where_text(e['frames'], self._code_index)}")
