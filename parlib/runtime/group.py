@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import math
 import os
-import signal
 import sys
 import time
 import weakref
@@ -35,13 +34,10 @@ from parlib.runtime import procs
 from parlib.runtime.errors import (
     RankError,
     RanksInterrupted,
-    annotate_stack,
     code_index,
     dumps_for_ranks,
     failure_error,
-    format_ranks,
     install_short_tracebacks,
-    where_text,
 )
 from parlib.runtime.output import RankOutput
 from parlib.runtime.policy import (
@@ -51,15 +47,14 @@ from parlib.runtime.policy import (
     threads_per_rank,
     validate_sizes,
 )
+from parlib.runtime.stopping import SETTLE_S, Stopping
 
 _announced = False
 _stale_cleaned = False
 _live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
-SETTLE_S = 0.5  # after a rank fails, how long the others get to finish or fail too
-INTERRUPT_GRACE_S = 1.0  # how long an interrupted rank gets to stop in Python code
 
 
-class RankGroup:
+class RankGroup(Stopping):
     """``world_size`` rank processes in one process group, serving tasks until closed."""
 
     def __init__(
@@ -269,20 +264,6 @@ class RankGroup:
                 ) from None
         return values
 
-    def _raise_dead_idle(self, dead: list[int]) -> None:
-        __tracebackhide__ = True
-        reports = [self._death_report(r) for r in sorted(set(dead))]
-        self.kill()
-        message = reports[0]["message"] + " while it was idle"
-        raise RankError(message + "\n" + self._lost_note("a rank process ended"),
-                        rank=reports[0]["rank"], exc_type="Exited")
-
-    def _lost_note(self, why: str) -> str:
-        if self.warm:
-            return (f"({why}: every rank was stopped; the ranks restart on the next call and "
-                    "variables defined on them are lost)")
-        return f"({why}: every rank was stopped)"
-
     def _pump(self, kind: str, replies: dict, errors: list, dead: set, until: float,
               stop: Callable[[], bool]) -> None:
         """Handle replies, deaths and output until ``stop()`` or ``until``."""
@@ -350,55 +331,6 @@ class RankGroup:
             self.kill()
         raise failure_error(errors, self._code_index, still, stopped, broken, self.warm)
 
-    def _interrupt(self, ranks: list[int], kind: str, replies: dict, errors: list, dead: set,
-                   grace: float) -> list[int]:
-        """Send each rank KeyboardInterrupt (SIGUSR2); return those that stopped in time."""
-        for r in ranks:
-            try:
-                os.kill(self.ids[r][0], signal.SIGUSR2)
-            except OSError:
-                pass
-
-        def answered(r: int) -> bool:
-            return r in replies or r in dead or any(e["rank"] == r for e in errors)
-
-        self._pump(kind, replies, errors, dead, time.monotonic() + grace,
-                   lambda: all(answered(r) for r in ranks))
-        return [r for r in ranks if answered(r) and r not in dead]
-
-    def _interrupted(self, kind: str, replies: dict, errors: list, dead: set) -> None:
-        """The kernel was interrupted: stop each rank's code, keep the ranks if they can."""
-        __tracebackhide__ = True
-        running = [r for r in range(self.world_size) if r not in replies and r not in dead
-                   and not any(e["rank"] == r for e in errors)]
-        stopped: list[int] = []
-        try:
-            if kind == "ok":
-                stopped = self._interrupt(running, kind, replies, errors, dead,
-                                          INTERRUPT_GRACE_S)
-        except KeyboardInterrupt:  # a second interrupt: no more waiting
-            pass
-        stuck = [r for r in running if r not in stopped]
-        stacks = self._stacks(stuck) if stuck and kind == "ok" else ""
-        lines = []
-        for e in sorted(errors, key=lambda e: e["rank"]):
-            if e["rank"] in stopped:
-                lines.append(f"  rank {e['rank']} was at "
-                             f"{where_text(e['frames'], self._code_index)}")
-        self.output.drain()
-        self.output.flush_partials(0.0)
-        if stuck or dead or kind != "ok":
-            self.kill()
-            why = (f"rank(s) {format_ranks(stuck)} did not stop (stuck in C++ code, e.g. "
-                   "waiting in a collective)" if stuck else "start-up was cut short")
-            head = (f"interrupted: ranks {format_ranks(list(range(self.world_size)))} "
-                    f"stopped\n{self._lost_note(why)}")
-        else:
-            head = f"interrupted: ranks {format_ranks(running or [])} stopped"
-            if self.warm:
-                head += "; the ranks and their variables are kept"
-        raise RanksInterrupted("\n".join([head, *lines]), stacks) from None
-
     def _read_reply(self, rank: int, kind: str, replies: dict, errors: list) -> None:
         try:
             status, data = self.ctrls[rank].recv()
@@ -408,64 +340,6 @@ class RankGroup:
             errors.append(data)
         elif status == kind:
             replies[rank] = data
-
-    def _death_report(self, rank: int) -> dict[str, Any]:
-        code = self.procs[rank].exitcode
-        if code is not None and code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            message = f"rank {rank} was killed by {name}"
-        else:
-            message = f"rank {rank} exited with code {code} before it returned"
-        return {"rank": rank, "exc_type": "Exited", "message": message, "frames": [],
-                "time": time.time(), "echo": False}
-
-    def _raise_timeout(self, kind: str, replies: dict, errors: list, dead: set,
-                       deadline: float) -> None:
-        __tracebackhide__ = True
-        stuck = [r for r in range(self.world_size) if r not in replies]
-        stacks = self._stacks(stuck)
-        done = sorted(replies)
-        hint = ""
-        if done:
-            hint = (
-                f" Rank(s) {format_ranks(done)} finished while rank(s) "
-                f"{format_ranks(stuck)} were still waiting: did every rank call the same "
-                "collectives, and does every recv have a matching send?"
-            )
-        stopped = self._interrupt(stuck, kind, replies, errors, dead, SETTLE_S) \
-            if kind == "ok" else []
-        kept = len(stopped) == len(stuck)
-        if not kept:
-            self.kill()
-        note = ("(every rank was stopped in Python code; the ranks and their variables are "
-                "kept)" if kept and self.warm else "" if kept else self._lost_note("timeout"))
-        raise RankError(
-            f"rank(s) {format_ranks(stuck)} did not finish within {self._limit_s:.3g} s; "
-            f"they were stopped.{hint}\n{note}".rstrip(),
-            rank=stuck[0], exc_type="Timeout", remote_traceback=stacks, kept=kept,
-        )
-
-    def _stacks(self, ranks: list[int]) -> str:
-        """Ask hung ranks where they are (faulthandler on SIGUSR1) before killing them."""
-        for r in ranks:
-            try:
-                os.kill(self.ids[r][0], signal.SIGUSR1)
-            except OSError:
-                pass
-        time.sleep(0.2)
-        parts = []
-        for r in ranks:
-            try:
-                with open(os.path.join(self._tmp, f"stack{r}.txt")) as fh:
-                    text = fh.read().strip()
-            except OSError:
-                text = ""
-            if text:
-                parts.append(f"rank {r} was here when stopped:\n" + annotate_stack(text))
-        return "\n\n".join(parts)
 
     def __enter__(self) -> RankGroup:
         return self.start()
