@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ast
 import builtins
+import decimal
+import fractions
 import importlib
 import inspect
 import linecache
@@ -123,6 +125,8 @@ def _to_plain(x: Any, depth: int) -> Any:
         return int.__int__(x)
     if isinstance(x, float):
         return float.__float__(x)
+    if type(x) in (fractions.Fraction, decimal.Decimal):  # the standard library's own numbers
+        return float(x)
     if isinstance(x, complex):
         return {"__kind__": "complex", "real": complex.real.__get__(x),
                 "imag": complex.imag.__get__(x)}
@@ -232,6 +236,9 @@ def capture_function(fn: Any) -> dict[str, Any]:
         out["name"] = bundle.add_function(fn)
     except _CannotCapture as exc:
         out["error"] = str(exc)
+        return out
+    except Exception as exc:  # noqa: BLE001 - never let collecting break a learner's check
+        out["error"] = f"reading its source failed ({type(exc).__name__}: {exc})"
         return out
     out["code"] = "\n".join(bundle.lines) + "\n"
     out["missing"] = bundle.missing

@@ -5,7 +5,10 @@ The batch tests (real kernels) are in test_grade_batch.py."""
 
 from __future__ import annotations
 
+import json
+import linecache
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -163,7 +166,7 @@ def test_zero1_sees_the_c10d_all_reduce():
                 offset += p.numel()
     """
     f = learner(src, "zero1_step", prelude="from parlib.strategies import data as dp\n")
-    r = check("01.zero1_step", f)
+    r = check("01.zero1_step", f, timeout=120)
     assert r.status == "failed", r
     assert "all_reduce" in r.message, r
 
@@ -189,26 +192,45 @@ def test_timeout_hint_fits_the_question():
 # --------------------------------------------------------------------------- re-check
 
 
-def helper_scale(t):
-    return t * SCALE
-
-
-SCALE = 2.0
-
-
-def doubled(t: torch.Tensor) -> torch.Tensor:
-    return helper_scale(t)
+def notebook_cells(*cells: str) -> dict:
+    """Run cells the way a kernel does: one namespace named __main__, each cell's source
+    in linecache under its own file name (so inspect.getsource finds it)."""
+    ns = {"__name__": "__main__"}
+    for i, src in enumerate(cells):
+        src = textwrap.dedent(src)
+        filename = f"/tmp/ipykernel_parlib_test/{i}.py"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        exec(compile(src, filename, "exec"), ns)  # noqa: S102
+    return ns
 
 
 def test_function_travels_as_source_with_what_it_uses():
-    payload = answers.capture_function(doubled)
+    ns = notebook_cells(
+        "import torch\nimport math as m\nfrom parlib.verify import close\nSCALE = 2.0\n",
+        "big = torch.ones(3)\n\ndef helper_scale(t):\n    return t * SCALE * m.sqrt(1)\n",
+        """
+        def doubled(t: torch.Tensor) -> torch.Tensor:
+            assert close(t, t)
+            return helper_scale(t)
+
+        def uses_big(t):
+            return t + big
+        """,
+    )
+    payload = answers.capture_function(ns["doubled"])
     assert payload["name"] == "doubled" and not payload.get("error")
     code = payload["code"]
-    assert "import torch as torch" in code and "def doubled" in code
-    assert "helper_scale" in code and "SCALE = 2.0" in code
-    rebuilt = answers.from_plain(payload)
+    assert "import torch as torch" in code and "import math as m" in code
+    assert "from parlib.verify import close as close" in code and "SCALE = 2.0" in code
+    assert code.index("def helper_scale") < code.index("def doubled")
+    rebuilt = answers.from_plain(json.loads(json.dumps(payload)))
     assert isinstance(rebuilt, answers.LearnerFunction) and rebuilt._fn is None
     assert torch.equal(rebuilt(torch.ones(2)), torch.full((2,), 2.0))
+    # a tensor from another cell cannot travel: the grader's message names it
+    payload = answers.capture_function(ns["uses_big"])
+    assert payload["missing"] == {"big": "Tensor"}
+    with pytest.raises(NameError):
+        answers.from_plain(payload)(torch.ones(3))
     assert answers.capture_function(lambda t: t)["error"]
     assert answers.capture_function(print)["error"]
 
