@@ -214,10 +214,13 @@ def format_report(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def verify_logs(solutions_log: Path, exercises_log: Path, root: Path = Path(".")) -> list[str]:
+def verify_logs(solutions_log: Path, exercises_log: Path, root: Path = Path("."),
+                recheck_answers: bool = False) -> list[str]:
     """CI's proof that the checks ran: every question declared for a chapter that has a
     ``solutions/NN_*.ipynb`` reported in both runs, passed in the solutions run and did not
-    pass in the exercises run. Returns the problems found (empty when all is well)."""
+    pass in the exercises run. With ``recheck_answers`` the logged answers are also judged
+    again here, as ``grade`` does (solutions must pass, exercises must not). Returns the
+    problems found (empty when all is well)."""
     solved, attempted = read_log(Path(solutions_log)), read_log(Path(exercises_log))
     problems = []
     chapters = sorted({chapter_of(p) for p in (root / "solutions").glob("[0-9][0-9]_*.ipynb")})
@@ -236,6 +239,14 @@ def verify_logs(solutions_log: Path, exercises_log: Path, root: Path = Path(".")
                 problems.append(f"{qid}: its check never ran in exercises/")
             elif attempted[qid].get("status") == "passed":
                 problems.append(f"{qid}: passed in the untouched exercises/")
+            if not recheck_answers:
+                continue
+            for where, log, want in (("solutions", solved, True), ("exercises", attempted,
+                                                                    False)):
+                if qid in log and "answer" in log[qid]:
+                    r = recheck(declared[qid], log[qid]["answer"])
+                    if r.passed != want:
+                        problems.append(f"{qid}: re-checked from the {where}/ log: {r!r}")
     return problems
 
 
@@ -311,11 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m parlib grade NB [NB ...] [--json FILE] [--timeout S]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--verify-logs"]:
+        again = "--recheck" in argv
+        argv = [a for a in argv if a != "--recheck"]
         if len(argv) != 3:
             print("usage: python -m parlib.course.grading --verify-logs SOLUTIONS_LOG "
-                  "EXERCISES_LOG", file=sys.stderr)
+                  "EXERCISES_LOG [--recheck]", file=sys.stderr)
             return 2
-        problems = verify_logs(Path(argv[1]), Path(argv[2]))
+        problems = verify_logs(Path(argv[1]), Path(argv[2]), recheck_answers=again)
         for problem in problems:
             print(f"FAIL {problem}")
         counted = len(read_log(Path(argv[1])))

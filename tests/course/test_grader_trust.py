@@ -270,3 +270,28 @@ def test_readme_says_what_the_grader_protects_against():
 
 def test_registry_is_untouched():
     assert "99.num" not in registry.questions()
+
+
+def _solution_function(qid: str):
+    """The function a solutions notebook passes to parlib.check(qid, ...), defined as its
+    kernel would: the notebook's first (import) cell, then the cell with its def."""
+    import re
+
+    chapter = qid.split(".")[0]
+    path = next((ROOT / "solutions").glob(f"{chapter}_*.ipynb"))
+    cells = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"]
+             if c["cell_type"] == "code"]
+    call = next(c for c in cells if f'parlib.check("{qid}",' in c)
+    name = re.search(rf'parlib\.check\("{re.escape(qid)}",\s*(\w+)\)', call).group(1)
+    defining = next(c for c in cells if f"def {name}(" in c)
+    return notebook_cells(cells[0], defining)[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qid", [q for q, v in registry.questions().items()
+                                 if v.kind == "function"])
+def test_solution_functions_pass_when_rebuilt_from_source(qid):
+    payload = answer_payload(get_question(qid), _solution_function(qid))
+    assert not payload.get("error") and not payload["missing"], payload
+    r = recheck(get_question(qid), json.loads(json.dumps(payload)), timeout=120)
+    assert r.passed, r
