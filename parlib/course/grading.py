@@ -269,6 +269,8 @@ def _write_json(path: Path, reports: list[dict[str, Any]], complete: bool) -> No
 def _grade_one(path: Path, timeout: float) -> dict[str, Any]:
     """Grade one notebook in a child grader process; a row whatever happens to it."""
     t0 = time.monotonic()
+    if not Path(path).is_file():  # no process to start for that
+        return _failed_report(path, "no such notebook (missing, or deleted before its turn)")
     with tempfile.TemporaryDirectory(prefix="parlib-grade-") as tmp:
         out = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "parlib.course.grading", "--one", str(path),
