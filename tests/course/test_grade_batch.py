@@ -62,6 +62,7 @@ _CHEATS = '''
 import json
 from parlib.course import registry
 from parlib.course.question_types import Choice, Implementation, Numeric
+registry.questions()  # load the notebook's copy of the registry, to edit it
 log = os.environ["PARLIB_CHECK_LOG"]
 with open(log, "a") as f:  # forged verdicts
     for qid in ("00.ring_bytes", "00.ring_all_reduce", "00.dp_collective"):
