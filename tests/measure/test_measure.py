@@ -160,3 +160,31 @@ def test_stage_cost_scales_with_rows():
     assert default_cost("cuda:0") is None and default_cost("cpu").per_row > 0
     with pytest.raises(ValueError):
         StageCost(-1.0)
+
+
+def _commlog_sees_every_spelling():
+    import torch.distributed.distributed_c10d as c10d
+    from torch._C._distributed_c10d import ProcessGroup
+
+    t = torch.ones(4)
+    pg_allreduce = vars(ProcessGroup)["allreduce"]
+    with measure.CommLog(deep=True) as log:
+        c10d.all_reduce(t)  # the function torch.distributed re-exports, called where defined
+        dist.group.WORLD.allreduce([t]).wait()  # straight on the process group
+        if dist.get_rank() == 0:
+            c10d.send(t, 1)
+        else:
+            c10d.recv(t, 0)
+    restored = c10d.all_reduce is dist.all_reduce and vars(ProcessGroup)["allreduce"] is \
+        pg_allreduce
+    with measure.CommLog() as shallow:
+        dist.all_reduce(t)  # still works after the deep patch is undone
+    return [r.op for r in log.records], log.pg_calls, restored, shallow.count("all_reduce")
+
+
+def test_commlog_sees_collectives_however_they_are_called():
+    out = parlib.launch(_commlog_sees_every_spelling, world_size=2)
+    for rank, (ops, pg_calls, restored, after) in enumerate(out):
+        assert ops == ["all_reduce", "send" if rank == 0 else "recv"], ops
+        assert pg_calls == ["all_reduce", "all_reduce", "send" if rank == 0 else "recv"]
+        assert restored and after == 1
