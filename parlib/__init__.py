@@ -7,6 +7,8 @@ The pieces a learner uses:
 - ``device()``: inside a rank, the torch.device that rank computes on.
 - ``RankError``: what a failing rank raises in the notebook.
 - ``check(question_id, answer)`` / ``explain(question_id)``: the exercises' auto-checks.
+- ``DataParallel(model)`` / ``Zero1(params, torch.optim.AdamW, lr=...)``: the chapter's data
+  parallelism and ZeRO-1 as drop-ins for DistributedDataParallel and a sharded optimizer.
 
 The package, in layers (each imports only what is listed before it):
 
@@ -21,7 +23,8 @@ The package, in layers (each imports only what is listed before it):
 - :mod:`parlib.course`: questions, checks, grading, notebook building.
 
 ``check`` and ``explain`` load :mod:`parlib.course` on first use, so that ranks started
-by ``torchrun -m parlib.run`` never load the grader or IPython.
+by ``torchrun -m parlib.run`` never load the grader or IPython; ``DataParallel`` and ``Zero1``
+load :mod:`parlib.strategies` on first use.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cluster",
+    "DataParallel",
     "RankError",
+    "Zero1",
     "check",
     "device",
     "explain",
@@ -49,6 +54,14 @@ def __getattr__(name: str) -> Any:
         from parlib.course import check as checks
 
         return getattr(checks, name)
+    if name == "DataParallel":  # loaded on first use, as check: `import parlib` stays light
+        from parlib.strategies.data_parallel import DataParallel
+
+        return DataParallel
+    if name == "Zero1":
+        from parlib.strategies.zero import Zero1
+
+        return Zero1
     raise AttributeError(f"module 'parlib' has no attribute {name!r}")
 
 
