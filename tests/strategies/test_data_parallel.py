@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import parlib
 from parlib import verify
+from parlib.measure import CommLog
 from parlib.strategies.data import shard_rows
 
 VOCAB, D, B, K = 16, 8, 8, 3  # vocabulary, width, global batch rows, steps
@@ -101,27 +102,32 @@ def wrap(sync: str, kind: str, rank: int):
     return model, dp, opt, sched
 
 
-def train_steps(dp, opt, sched, steps, rank, micro: int = 1) -> None:
+def train_steps(dp, opt, sched, steps, rank, micro: int = 1) -> int:
     """``steps`` steps on this rank's rows, each in ``micro`` microbatches (no_sync for all
-    but the last)."""
+    but the last). Returns how many collectives the calls that must do nothing issued."""
+    idle = CommLog()  # records only the `with idle:` blocks
     for step in steps:
         tokens, targets, flag = (shard_rows(t, rank, N) for t in global_batch(step))
-        dp.finish_gradient_synchronization()  # before backward: must do nothing
+        with idle:
+            dp.finish_gradient_synchronization()  # before backward
         for m in range(micro):
             rows = slice(m * len(tokens) // micro, (m + 1) * len(tokens) // micro)
             if m < micro - 1:
                 with dp.no_sync():
                     loss = F.cross_entropy(dp(tokens[rows], flag[rows]), targets[rows])
                     (loss / micro).backward()
-                    dp.finish_gradient_synchronization()  # inside no_sync: nothing
+                    with idle:
+                        dp.finish_gradient_synchronization()  # inside no_sync
             else:
                 loss = F.cross_entropy(dp(tokens[rows], flag[rows]), targets[rows])
                 (loss / micro).backward()
         dp.finish_gradient_synchronization()
-        dp.sync()  # twice: harmless
+        with idle:
+            dp.sync()  # a second time
         opt.step()
         sched.step()
         opt.zero_grad()
+    return idle.count()
 
 
 def _all_cases() -> dict:
@@ -131,7 +137,7 @@ def _all_cases() -> dict:
         model, dp, opt, sched = wrap(sync, kind, rank)
         res = {"initial": copy.deepcopy(dp.state_dict())}
         frozen = model.frozen.weight.detach().clone()
-        train_steps(dp, opt, sched, range(K - 1), rank)
+        res["idle calls"] = train_steps(dp, opt, sched, range(K - 1), rank)
         saved = copy.deepcopy((dp.state_dict(), opt.state_dict(), sched.state_dict()))
         train_steps(dp, opt, sched, [K - 1], rank)
         res["final"] = copy.deepcopy(dp.state_dict())
@@ -146,7 +152,7 @@ def _all_cases() -> dict:
         res["resumed"] = copy.deepcopy(dp2.state_dict())
         # gradient accumulation: one step in two microbatches per rank
         _, dp3, opt3, sched3 = wrap(sync, kind, rank)
-        train_steps(dp3, opt3, sched3, [0], rank, micro=2)
+        res["idle calls"] += train_steps(dp3, opt3, sched3, [0], rank, micro=2)
         res["accumulated"] = copy.deepcopy(dp3.state_dict())
         out[(sync, kind)] = res
     try:
@@ -190,6 +196,8 @@ def test_k_steps_equal_the_single_device_run(results, sync, kind):
         assert cmp, f"{sync}/{kind} rank {rank}: {cmp}"
         assert r["frozen_same"] and torch.equal(r["final"]["frozen.weight"], want["frozen.weight"])
         assert r["tied"] and torch.equal(r["final"]["head.weight"], r["final"]["embed.weight"])
+        # finishing the sync before backward, twice or inside no_sync sends nothing
+        assert r["idle calls"] == 0
         # the ranks agree exactly, and a resumed checkpoint continues exactly
         assert all(torch.equal(r["final"][k], results[0][(sync, kind)]["final"][k]) for k in want)
         assert all(torch.equal(r["resumed"][k], r["final"][k]) for k in want)
