@@ -3,12 +3,15 @@
 
     python3 tasks.py course    # make .venv, install everything, open JupyterLab on notebooks/
     python3 tasks.py test      # make .venv, install everything, run the whole test suite
+    python3 tasks.py ui        # only the browser test of JupyterLab (tests/ui; needs Chromium)
 
 Options (environment variables):
     PARLIB_VENV=path        where the virtual environment lives (default: .venv here)
     PARLIB_TORCH_INDEX=url  a pip index for torch, e.g. https://download.pytorch.org/whl/cpu
                             for a small CPU-only build on a Linux machine without a GPU
     PARLIB_TORCH=spec       the torch requirement to install first (default: torch==2.13.0)
+    PARLIB_CHROMIUM=path    the Chromium the browser test drives (default: /usr/bin/chromium)
+    CI=true                 a missing Chromium fails the browser test instead of skipping it
 Only the standard library is used here, so this runs before anything is installed.
 """
 
@@ -38,6 +41,15 @@ def run(*cmd: str | Path, env: dict[str, str] | None = None, check: bool = True)
     return subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, check=check).returncode
 
 
+def install_step(what: str, expect: str, *cmd: str | Path) -> None:
+    """One install step, said before it starts (with how long it usually takes) and timed
+    after: pip's own lines (one per package it collects) show it is moving."""
+    print(f"\n--- {what} (usually {expect})", flush=True)
+    start = time.time()
+    run(*cmd)
+    print(f"--- done in {time.time() - start:.0f} s", flush=True)
+
+
 def setup() -> Path:
     """Create the venv and install torch first (the CPU build where there is no GPU), then
     parlib with its dev extra. Skipped when pyproject.toml has not changed since last time."""
@@ -49,13 +61,18 @@ def setup() -> Path:
     want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH.encode()).hexdigest()
     if stamp.exists() and stamp.read_text() == want:
         return py
-    pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    print("installing the course's packages; later runs skip this until pyproject.toml "
+          "changes", flush=True)
+    pip = [py, "-m", "pip", "install", "--disable-pip-version-check"]
     has_torch = subprocess.run([str(py), "-c", "import torch"], capture_output=True).returncode == 0
     if not has_torch:
         # Torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
         index = os.environ.get("PARLIB_TORCH_INDEX")
-        run(*pip, TORCH, *(["--index-url", index] if index else []))
-    run(*pip, "-e", ".[dev]")
+        install_step(f"step 1 of 2: {TORCH}, the largest download (200 MB for the CPU build, "
+                     "several GB with CUDA)", "1-2 minutes; longer on a slow connection",
+                     *pip, TORCH, *(["--index-url", index] if index else []))
+    install_step("step 2 of 2: parlib and its dev extra (JupyterLab, pytest, nbval, ruff, "
+                 "playwright, ...)", "about a minute", *pip, "-e", ".[dev]")
     stamp.write_text(want)
     return py
 
@@ -67,6 +84,31 @@ def test_env(**extra: str) -> dict[str, str]:
     env.pop("PARLIB_CHECK_MODE", None)
     env.update(extra)
     return env
+
+
+def ui_skip_reason(py: Path) -> str | None:
+    """Why the browser test cannot run here, or None when it can."""
+    code = ("import sys; sys.path.insert(0, 'tests/ui'); from jlab import find_chromium; "
+            "import playwright; print(find_chromium() or '')")
+    probe = subprocess.run([str(py), "-c", code], cwd=ROOT, capture_output=True, text=True)
+    if probe.returncode != 0:
+        return "the playwright package is not importable: " + probe.stderr.strip()[-200:]
+    if not probe.stdout.strip():
+        return ("no Chromium found (install the distribution's package, e.g. "
+                "`apt-get install chromium`, or set PARLIB_CHROMIUM)")
+    return None
+
+
+def ui_step(py: Path) -> tuple[str, list[str | Path], dict[str, str]] | str:
+    """The browser step, or the reason it is skipped (a failure in CI, where it must run)."""
+    reason = ui_skip_reason(py)
+    if reason and not os.environ.get("CI"):
+        return reason
+    cmd: list[str | Path] = [py, "-m", "pytest", "-p", "no:cacheprovider", "-m", "ui", "-v",
+                             "tests/ui"]
+    if reason:  # CI: pytest itself fails with the reason
+        print(f"browser test cannot run: {reason}", flush=True)
+    return ("JupyterLab in Chromium: what a learner sees (tests/ui)", cmd, {})
 
 
 def test(py: Path) -> int:
@@ -93,6 +135,25 @@ def test(py: Path) -> int:
          [py, "-m", "parlib.course.grading", "--verify-logs", str(log_dir / "solutions.jsonl"),
           str(log_dir / "exercises.jsonl")], {}),
     ]
+    ui = ui_step(py)
+    skipped = []
+    if isinstance(ui, str):
+        skipped.append(("JupyterLab in Chromium (tests/ui)", ui))
+    else:
+        steps.append(ui)
+    results = run_steps(steps)
+    print("\n=== summary")
+    for title, code, secs in results:
+        print(f"{'ok  ' if code == 0 else 'FAIL'} {secs:6.0f} s  {title}")
+    for title, reason in skipped:
+        print(f"SKIP          {title}: {reason}")
+    failed = [r for r in results if r[1] != 0]
+    passed = len(results) - len(failed)
+    print(f"steps: {passed} passed, {len(steps) - passed} failed, {len(skipped)} skipped")
+    return 1 if failed or len(results) < len(steps) else 0
+
+
+def run_steps(steps: list[tuple[str, list[str | Path], dict[str, str]]]) -> list[tuple]:
     results = []
     for title, cmd, extra in steps:
         print(f"\n=== {title}", flush=True)
@@ -101,13 +162,17 @@ def test(py: Path) -> int:
         results.append((title, code, time.time() - start))
         if code != 0:
             break
-    print("\n=== summary")
-    for title, code, secs in results:
-        print(f"{'ok  ' if code == 0 else 'FAIL'} {secs:6.0f} s  {title}")
-    failed = [r for r in results if r[1] != 0]
-    passed = len(results) - len(failed)
-    print(f"steps: {passed} passed, {len(steps) - passed} failed")
-    return 1 if failed or len(results) < len(steps) else 0
+    return results
+
+
+def ui(py: Path) -> int:
+    """Only the browser test (what `test` runs last)."""
+    step = ui_step(py)
+    if isinstance(step, str):
+        print(f"browser test skipped: {step}")
+        return 0
+    (ROOT / "out").mkdir(exist_ok=True)
+    return run_steps([step])[0][1]
 
 
 def course(py: Path) -> int:
@@ -120,7 +185,7 @@ def course(py: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0] not in ("course", "test", "setup"):
+    if len(argv) != 1 or argv[0] not in ("course", "test", "ui", "setup"):
         print(__doc__)
         return 2
     py = setup()
@@ -128,6 +193,8 @@ def main(argv: list[str]) -> int:
         return test(py)
     if argv[0] == "course":
         return course(py)
+    if argv[0] == "ui":
+        return ui(py)
     return 0
 
 

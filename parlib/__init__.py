@@ -7,6 +7,8 @@ The pieces a learner uses:
 - ``device()``: inside a rank, the torch.device that rank computes on.
 - ``RankError``: what a failing rank raises in the notebook.
 - ``check(question_id, answer)`` / ``explain(question_id)``: the exercises' auto-checks.
+- ``DataParallel(model)`` / ``Zero1(params, torch.optim.AdamW, lr=...)``: the chapter's data
+  parallelism and ZeRO-1 as drop-ins for DistributedDataParallel and a sharded optimizer.
 
 The package, in layers (each imports only what is listed before it):
 
@@ -21,11 +23,13 @@ The package, in layers (each imports only what is listed before it):
 - :mod:`parlib.course`: questions, checks, grading, notebook building.
 
 ``check`` and ``explain`` load :mod:`parlib.course` on first use, so that ranks started
-by ``torchrun -m parlib.run`` never load the grader or IPython.
+by ``torchrun -m parlib.run`` never load the grader or IPython; ``DataParallel`` and ``Zero1``
+load :mod:`parlib.strategies` on first use.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from parlib.runtime import Cluster, RankError, device, launch
@@ -34,7 +38,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cluster",
+    "DataParallel",
+    "Mesh",
     "RankError",
+    "Zero1",
     "check",
     "device",
     "explain",
@@ -44,11 +51,20 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("check", "explain"):
-        from parlib.course import check as checks
+# Names loaded on first use: `import parlib` stays light, and ranks started by torchrun
+# never load the grader or IPython.
+_LAZY = {
+    "check": "parlib.course.check",
+    "explain": "parlib.course.check",
+    "DataParallel": "parlib.strategies.data_parallel",
+    "Mesh": "parlib.strategies.mesh",
+    "Zero1": "parlib.strategies.zero",
+}
 
-        return getattr(checks, name)
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'parlib' has no attribute {name!r}")
 
 

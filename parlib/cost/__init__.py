@@ -37,11 +37,15 @@ from parlib.cost.memory import (
 )
 from parlib.cost.model import Model
 from parlib.cost.pipeline import (
+    best_microbatches,
     boundary_bytes,
     bubble_fraction,
     bubble_ratio,
+    fixed_batch_step_time,
     ideal_step_time,
+    imbalanced_step_time,
     in_flight_microbatches,
+    microbatch_time,
     min_microbatches,
 )
 from parlib.cost.planner import plan
@@ -54,6 +58,7 @@ __all__ = [
     "Model",
     "activation_bytes_per_layer",
     "adam_bytes_per_param",
+    "best_microbatches",
     "boundary_bytes",
     "bubble_fraction",
     "bubble_ratio",
@@ -61,10 +66,13 @@ __all__ = [
     "collective_time",
     "estimate",
     "fit_alpha_beta",
+    "fixed_batch_step_time",
     "ideal_step_time",
+    "imbalanced_step_time",
     "in_flight_microbatches",
     "logits_bytes",
     "message_time",
+    "microbatch_time",
     "min_microbatches",
     "model_state_bytes",
     "model_state_bytes_by_kind",

@@ -32,12 +32,55 @@ def ideal_step_time(p: int, m: int, t_stage: float, v: int = 1) -> float:
     return (m + (p - 1) / v) * t_stage
 
 
-def min_microbatches(p: int, max_bubble: float, v: int = 1) -> int:
-    """Smallest m with bubble_fraction(p, m, v) <= max_bubble."""
+def microbatch_time(rows: int | float, per_row: float, per_call: float = 0.0) -> float:
+    """Time of one stage's forward (or backward, or both) on a microbatch of ``rows``
+    samples: rows x per_row + per_call. The fixed per_call part stands for what a call
+    costs however small its input (kernel launches; on a GPU, a microbatch too small to
+    fill the device takes about as long as a larger one)."""
+    if rows <= 0 or per_row < 0 or per_call < 0:
+        raise ValueError(f"need rows > 0 and times >= 0, got rows={rows}, "
+                         f"per_row={per_row}, per_call={per_call}")
+    return rows * per_row + per_call
+
+
+def fixed_batch_step_time(p: int, m: int, batch: int, per_row: float,
+                          per_call: float = 0.0) -> float:
+    """Step time of GPipe / 1F1B when a batch of ``batch`` rows is cut into m microbatches:
+    (m + p - 1) x (batch/m x per_row + per_call), per_row and per_call counting forward and
+    backward together. Without per_call it is (m + p - 1)/m x the bubble-free time
+    batch x per_row, so more microbatches shorten the step towards that time."""
+    if batch % m:
+        raise ValueError(f"a batch of {batch} rows does not split into m={m} microbatches")
+    return ideal_step_time(p, m, microbatch_time(batch / m, per_row, per_call))
+
+
+def best_microbatches(p: int, batch_time: float, per_call: float) -> float:
+    """The m that minimises fixed_batch_step_time: sqrt((p-1) x batch_time / per_call),
+    with batch_time = batch x per_row. Beyond it each extra microbatch costs more per-call
+    time than it saves in bubble."""
+    if per_call <= 0:
+        return float("inf")
+    return ((p - 1) * batch_time / per_call) ** 0.5
+
+
+def imbalanced_step_time(stage_times: list[float], m: int) -> float:
+    """GPipe step time when stage i takes stage_times[i] (forward + backward of one
+    microbatch, the same stage slowest in both): sum(stage_times) + (m-1) x max(stage_times).
+    The slowest stage sets the pace: every microbatch after the first waits for it. Equal
+    times t give (m + p - 1) x t."""
+    if not stage_times or m < 1:
+        raise ValueError(f"need at least one stage and m >= 1, got {stage_times}, m={m}")
+    return sum(stage_times) + (m - 1) * max(stage_times)
+
+
+def min_microbatches(p: int, max_bubble: float, v: int = 1, relative: bool = False) -> int:
+    """Smallest m with bubble_fraction(p, m, v) <= max_bubble (the idle fraction of the
+    step); with ``relative``, bubble_ratio(p, m, v) <= max_bubble (bubble / ideal time)."""
     if not 0 < max_bubble < 1:
         raise ValueError("max_bubble must be in (0, 1)")
+    bubble = bubble_ratio if relative else bubble_fraction
     m = 1
-    while bubble_fraction(p, m, v) > max_bubble + 1e-12:
+    while bubble(p, m, v) > max_bubble + 1e-12:
         m += 1
     return m
 
@@ -63,5 +106,6 @@ def boundary_bytes(batch: int, seq_len: int, d_model: int, dtype_bytes: int = 4)
     return batch * seq_len * d_model * dtype_bytes
 
 
-__all__ = ["boundary_bytes", "bubble_fraction", "bubble_ratio", "ideal_step_time",
-           "in_flight_microbatches", "min_microbatches"]
+__all__ = ["best_microbatches", "boundary_bytes", "bubble_fraction", "bubble_ratio",
+           "fixed_batch_step_time", "ideal_step_time", "imbalanced_step_time",
+           "in_flight_microbatches", "microbatch_time", "min_microbatches"]

@@ -12,8 +12,15 @@ renders as one short line (pass) or the first failing case and a hint (fail).
   ``solutions/``);
 * ``PARLIB_CHECK_MODE=expect-fail``: raise :class:`CheckError` if a check passes (CI on the
   untouched ``exercises/``);
-* ``PARLIB_CHECK_LOG=/path/file.jsonl``: append one JSON line per check (used by
-  ``python -m parlib grade``).
+* ``PARLIB_CHECK_LOG=/path/file.jsonl``: append one JSON line per check: the verdict and
+  the answer as plain data (for a function, its source bundle; see
+  :mod:`parlib.course.answers`). ``python -m parlib grade`` ignores the verdict and
+  re-checks the answer in its own process (:func:`recheck`); CI's ``--verify-logs`` reads
+  the verdicts of its own solutions.
+
+Every answer but a function is judged as plain data (:func:`~parlib.course.answers.to_plain`
+then ``from_plain``), here as in the grader, so the verdict a learner sees is the one the
+grader will give; a function is run as it is here, and from its source in the grader.
 
 Graders of :class:`~parlib.course.question_types.Implementation` questions receive the
 learner's function and raise :class:`CheckFailed` with a learner-facing message on the
@@ -30,8 +37,9 @@ import sys
 import warnings
 from typing import Any
 
+from parlib.course.answers import capture_function, from_plain, to_plain
 from parlib.course.on_ranks import verdict_from_rank_error
-from parlib.course.question_types import Question, _current_timeout
+from parlib.course.question_types import DEFAULT_TIMEOUT_HINT, Question, _current_timeout
 from parlib.course.registry import get_question, unknown_id_message
 from parlib.course.results import (
     ERROR,
@@ -61,7 +69,8 @@ def _evaluate(question: Question, answer: Any, timeout: float | None) -> CheckRe
         try:
             question.grade(answer)
         except RankError as exc:  # a rank failed: what does that say about the answer?
-            raise verdict_from_rank_error(exc, t) from None
+            hint = getattr(question, "timeout_hint", DEFAULT_TIMEOUT_HINT)
+            raise verdict_from_rank_error(exc, t, hint) from None
     except NotAttempted:
         hint = {
             "function": "replace raise NotImplementedError(...) with your code",
@@ -87,18 +96,57 @@ def _evaluate(question: Question, answer: Any, timeout: float | None) -> CheckRe
     return CheckResult(qid, PASSED, pts, pts, "correct")
 
 
+def answer_payload(question: Question | None, answer: Any) -> Any:
+    """The answer as plain JSON data: a function's source bundle, anything else
+    :func:`~parlib.course.answers.to_plain`."""
+    if question is not None and question.kind == "function" and callable(answer):
+        return capture_function(answer)
+    return to_plain(answer)
+
+
+def recheck(question: Question, payload: Any, *, timeout: float | None = None) -> CheckResult:
+    """Judge an answer collected from a notebook (plain data) in this process; the score
+    is clamped to the question's points. Never raises (but KeyboardInterrupt)."""
+    try:
+        value = from_plain(payload)
+        result = _evaluate(question, value, timeout)
+        if result.status == ERROR and "NameError" in result.message:
+            missing = getattr(value, "missing", None) or {}
+            names = [n for n in missing if repr(n) in result.message]
+            if names:
+                result.message += (f" (the grader rebuilds your function from its source; "
+                                   f"{names[0]}, a {missing[names[0]]} defined elsewhere in "
+                                   f"the notebook, cannot be carried over: define it inside "
+                                   f"the function)")
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - one bad answer must not stop the batch
+        result = CheckResult(question.id, ERROR, 0, question.points,
+                             f"the grader could not judge this answer "
+                             f"({type(exc).__name__}: {exc})")
+    result.max_score = question.points
+    result.score = min(max(float(result.score), 0.0), float(question.points)) \
+        if result.status == PASSED else 0
+    return result
+
+
 def check(question_id: str, answer: Any, *, timeout: float | None = None) -> CheckResult:
     """Check ``answer`` against question ``question_id`` and return a :class:`CheckResult`.
 
     Never raises unless ``PARLIB_CHECK_MODE`` is ``strict`` or ``expect-fail``.
     ``timeout`` overrides the question's time limit for launches (seconds).
     """
+    payload: Any = None
     try:
         try:
             question = get_question(question_id)
         except (KeyError, TypeError):
             result = CheckResult(str(question_id), ERROR, 0, 0, unknown_id_message(question_id))
         else:
+            if question.kind != "function":
+                answer = from_plain(to_plain(answer))  # judged as plain data, as when graded
+            if os.environ.get(LOG_ENV):
+                payload = answer_payload(question, answer)
             result = _evaluate(question, answer, timeout)
     except KeyboardInterrupt:
         raise
@@ -106,7 +154,7 @@ def check(question_id: str, answer: Any, *, timeout: float | None = None) -> Che
         result = CheckResult(str(question_id), ERROR, 0, 1,
                              f"the checker itself failed ({type(exc).__name__}: {exc}); "
                              f"please report this")
-    _record(result)
+    _record(result, payload)
     mode = os.environ.get(MODE_ENV, "").strip().lower()
     if mode == "strict" and not result.passed:
         raise CheckError(f"strict mode: {result!r}")
@@ -115,13 +163,14 @@ def check(question_id: str, answer: Any, *, timeout: float | None = None) -> Che
     return result
 
 
-def _record(result: CheckResult) -> None:
+def _record(result: CheckResult, payload: Any = None) -> None:
     _SESSION[result.question_id] = result
     path = os.environ.get(LOG_ENV)
     if path:
         try:
+            line = json.dumps({**result.to_json(), "answer": payload}, sort_keys=True)
             with open(path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(result.to_json(), sort_keys=True) + "\n")
+                f.write(line + "\n")
         except OSError as exc:
             warnings.warn(f"parlib: could not write the check log {path}: {exc}")
 
@@ -181,4 +230,4 @@ def _in_ipython() -> bool:
     return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
-__all__ = ["check", "explain"]
+__all__ = ["answer_payload", "check", "explain", "recheck"]

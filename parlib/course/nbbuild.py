@@ -39,6 +39,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# The metadata JupyterLab writes, so that an opened notebook is not marked modified.
+from parlib.course.nbform import KERNELSPEC, LANGUAGE_INFO
+
 SOURCE_DIR = "authoring"
 TARGETS = ("solutions", "exercises")
 CHECKED_DIRS = ("notebooks", "solutions", "exercises", "authoring")
@@ -53,9 +56,6 @@ _MD_BEGIN = re.compile(r"^\s*<!--\s*BEGIN SOLUTION\s*-->\s*$")
 _MD_END = re.compile(r"^\s*<!--\s*END SOLUTION\s*-->\s*$")
 _MD_CELL = re.compile(r"^\s*<!--\s*SOLUTION\s*-->\s*$")
 _CODE_CELL = re.compile(r"^\s*#\s*SOLUTION CELL\s*$")
-
-KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
-LANGUAGE_INFO = {"name": "python"}
 
 
 class BuildError(ValueError):

@@ -10,12 +10,16 @@ error with their own frames.
 
 from __future__ import annotations
 
+from parlib.course.question_types import DEFAULT_TIMEOUT_HINT
 from parlib.course.results import CheckFailed, LearnerError, NotAttempted
 from parlib.runtime.errors import RankError, trim_traceback
 
 
-def verdict_from_rank_error(err: RankError, timeout: float | None) -> Exception:
-    """Turn a rank's failure into NotAttempted / CheckFailed / LearnerError."""
+def verdict_from_rank_error(err: RankError, timeout: float | None,
+                            timeout_hint: str = DEFAULT_TIMEOUT_HINT) -> Exception:
+    """Turn a rank's failure into NotAttempted / CheckFailed / LearnerError.
+
+    ``timeout_hint`` (the question's) says what usually makes that function hang."""
     exc_type = err.exc_type or ""
     rank = err.rank
     remote = err.remote_traceback or ""
@@ -24,12 +28,8 @@ def verdict_from_rank_error(err: RankError, timeout: float | None) -> Exception:
         return NotAttempted()
     if exc_type.lower() in ("timeout", "timeouterror"):
         t = f" after {timeout:g} s" if timeout else ""
-        return CheckFailed(
-            f"your function did not finish{t} ({where} was still waiting). A send with no "
-            f"matching recv (or a recv with no matching send) blocks forever: check that "
-            f"each rank sends to (rank + 1) % N and receives from (rank - 1) % N, and "
-            f"that sends and receives are ordered so that neighbours do not both wait"
-        )
+        return CheckFailed(f"your function did not finish{t} ({where} was still waiting): "
+                           f"{timeout_hint}")
     if exc_type == "Exited" and "SIGABRT" in str(err):
         return CheckFailed(
             f"{where} crashed inside gloo (SIGABRT). This usually means a send and its "

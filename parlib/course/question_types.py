@@ -15,9 +15,9 @@ import operator
 import random
 import re
 import textwrap
-from collections.abc import Callable
 from typing import Any
 
+from parlib.course.answers import LearnerFunction, type_name
 from parlib.course.results import CheckFailed, NotAttempted
 
 # --------------------------------------------------------------------------- stubs
@@ -28,18 +28,24 @@ def is_stub(answer: Any) -> bool:
     only a docstring, ``pass`` or ``...``."""
     if answer is Ellipsis or answer is None:
         return True
+    if isinstance(answer, LearnerFunction):  # rebuilt from its source by the grader
+        return _source_body_is_empty(answer.code, answer.__name__)
     if callable(answer) and inspect.isfunction(answer):
-        return _function_body_is_empty(answer)
+        try:
+            return _source_body_is_empty(textwrap.dedent(inspect.getsource(answer)))
+        except (OSError, TypeError):
+            return False
     return False
 
 
-def _function_body_is_empty(fn: Callable) -> bool:
+def _source_body_is_empty(src: str, name: str | None = None) -> bool:
     try:
-        src = textwrap.dedent(inspect.getsource(fn))
         tree = ast.parse(src)
-    except (OSError, TypeError, SyntaxError, IndentationError):
+    except (SyntaxError, IndentationError, ValueError):
         return False
-    node = tree.body[0] if tree.body else None
+    defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    named = [n for n in defs if n.name == name] if name else defs[:1]
+    node = named[-1] if named else None
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     body = list(node.body)
@@ -104,7 +110,7 @@ def _as_number(answer: Any, what: str = "a number") -> float:
             value = float(answer.reshape(-1)[0].item())
         except Exception:  # noqa: BLE001 - complex, non-numeric dtype
             raise CheckFailed(
-                f"you gave {type(answer).__name__} {answer!r}: give {what}"
+                f"you gave {type_name(answer)} {answer!r}: give {what}"
             ) from None
     elif isinstance(answer, (list, tuple, set, dict)):
         raise CheckFailed(
@@ -113,7 +119,7 @@ def _as_number(answer: Any, what: str = "a number") -> float:
     elif isinstance(answer, complex):
         raise CheckFailed(f"you gave the complex number {answer!r}: give a real number")
     else:
-        raise CheckFailed(f"you gave a {type(answer).__name__}: give {what}")
+        raise CheckFailed(f"you gave a {type_name(answer)}: give {what}")
     if math.isnan(value) or math.isinf(value):
         raise CheckFailed(f"your answer is {value}: give a finite number")
     return value
@@ -199,7 +205,7 @@ class Choice(Question):
             raise NotAttempted
         letters = ", ".join(self.options)
         if not isinstance(answer, str):
-            raise CheckFailed(f"you gave a {type(answer).__name__}: give one letter as a "
+            raise CheckFailed(f"you gave a {type_name(answer)}: give one letter as a "
                               f"string, one of {letters}")
         letter = answer.strip().strip("()").strip().upper()
         if letter not in self.options:
@@ -293,7 +299,7 @@ class Expression(Question):
         if is_stub(answer):
             raise NotAttempted
         if not isinstance(answer, str):
-            raise CheckFailed(f"you gave a {type(answer).__name__}: give the formula as a "
+            raise CheckFailed(f"you gave a {type_name(answer)}: give the formula as a "
                               f"string in {', '.join(self.variables)}, e.g. \"2*(N-1)/N\"")
         got = self._values(answer)
         if self._same(got, self._values(self.answer)):
@@ -317,26 +323,39 @@ def current_timeout() -> float:
     return _current_timeout.get()
 
 
+DEFAULT_TIMEOUT_HINT = (
+    "every rank must issue the same collectives in the same order (a rank that skips a "
+    "collective, or calls them in another order, leaves the others waiting forever)"
+)
+
+
 class Implementation(Question):
     """A function, judged by ``grader(fn)`` which raises :class:`CheckFailed` on the
-    first failing case and returns None on a pass."""
+    first failing case and returns None on a pass.
+
+    ``timeout_hint`` is what a learner is told when their function did not finish in
+    ``timeout`` seconds (default: :data:`DEFAULT_TIMEOUT_HINT`)."""
 
     kind = "function"
 
-    def __init__(self, id, grader, *, prompt, working, timeout=120.0, points=1) -> None:
+    def __init__(self, id, grader, *, prompt, working, timeout=120.0, points=1,
+                 timeout_hint: str = DEFAULT_TIMEOUT_HINT) -> None:
         super().__init__(id, prompt=prompt, working=working, points=points)
         self.grader = grader
         self.timeout = timeout
+        self.timeout_hint = timeout_hint
 
     def grade(self, answer):
         if is_stub(answer):
             raise NotAttempted
+        if isinstance(answer, LearnerFunction) and answer.error:
+            raise CheckFailed(f"the grader could not read your function: {answer.error}")
         if not callable(answer):
-            raise CheckFailed(f"you gave a {type(answer).__name__}: pass the function "
+            raise CheckFailed(f"you gave a {type_name(answer)}: pass the function "
                               f"itself (its name, without calling it)")
         self.grader(answer)
         return "correct"
 
 
-__all__ = ["Choice", "Expression", "Implementation", "Numeric", "Question", "current_timeout",
-           "is_stub"]
+__all__ = ["DEFAULT_TIMEOUT_HINT", "Choice", "Expression", "Implementation", "Numeric",
+           "Question", "current_timeout", "is_stub"]

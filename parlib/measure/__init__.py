@@ -9,6 +9,8 @@
   activations (:class:`SavedActivations`, :func:`memory_breakdown`).
 - :mod:`~parlib.measure.timeline`: spans per rank (:class:`Recorder`) and their analysis.
 - :mod:`~parlib.measure.emulation`: emulated stage cost and slow links, labelled as such.
+- :mod:`~parlib.measure.links`: the all-reduce alpha-beta fit chapter 00 saves and later
+  chapters read (:func:`load_link`).
 
 The names below load their module on first use, so that ``parlib.measure.timeline`` (no
 torch) can be imported without torch.
@@ -29,6 +31,8 @@ _WHERE = {
     "Recorder": "timeline", "Span": "timeline", "align": "timeline", "busy_time": "timeline",
     "idle_spans": "timeline", "makespan": "timeline", "measured_bubble": "timeline",
     "SlowLink": "emulation", "StageCost": "emulation", "default_cost": "emulation",
+    "LinkFit": "links", "fit_link": "links", "load_link": "links", "save_links": "links",
+    "time_all_reduce": "links",
 }
 
 __all__ = sorted(_WHERE)

@@ -2,8 +2,16 @@
 
 :class:`CommLog` records each call's operation, message bytes, group size and seconds,
 and, on Linux, the bytes this process really wrote to its sockets. While a ``CommLog`` is
-active it **patches the ``torch.distributed`` functions process-wide** (every thread of
-this rank goes through the wrappers); they are restored when the last log closes.
+active it **patches the collective functions process-wide**, both where they are defined
+(``torch.distributed.distributed_c10d``, which ``torch.distributed`` re-exports) and under
+their ``torch.distributed`` names, so a call is seen however it is spelled; every thread
+of this rank goes through the wrappers; they are restored when the last log closes.
+
+``CommLog(deep=True)`` also lists in ``log.pg_calls`` every operation that reached a
+``ProcessGroup`` object or a functional-collective op (``torch.ops._c10d_functional``),
+whatever Python function issued it (a call made straight on ``dist.group.WORLD`` included):
+the checks use it to be sure what a learner's function really did. It patches those
+methods process-wide too; it adds nothing per tensor operation.
 
 Why a wrapper rather than ``torch.distributed.tensor.debug.CommDebugMode``: on torch 2.13
 CommDebugMode does see plain ``dist.all_reduce`` calls (it counts ``c10d.allreduce_``), but
@@ -23,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from parlib.cost import predicted_sent_bytes
 from parlib.measure.tables import Table, fmt_bytes
@@ -112,8 +121,9 @@ _ALWAYS_ASYNC = {"isend", "irecv"}
 
 _lock = threading.Lock()
 _active: list["CommLog"] = []
-_originals: dict[str, Callable] = {}
+_originals: dict[tuple[Any, str], Callable] = {}  # (module, name) -> function it had
 _local = threading.local()
+_MODULES = (c10d, dist)  # where a collective is defined, and its public re-export
 
 
 class _TimedWork:
@@ -176,6 +186,69 @@ def _wrap(name: str, original: Callable) -> Callable:
     return wrapper
 
 
+# ProcessGroup method (or functional op) -> normalised op name, for CommLog(deep=True)
+_PG_METHODS = {
+    "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "allgather": "all_gather", "_allgather_base": "all_gather",
+    "allgather_coalesced": "all_gather", "allgather_into_tensor_coalesced": "all_gather",
+    "all_gather_single": "all_gather", "all_gather_single_coalesced": "all_gather",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_single_coalesced": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "alltoall": "all_to_all", "alltoall_base": "all_to_all", "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "send": "send", "recv": "recv", "recv_anysource": "recv",
+    "barrier": "barrier", "monitored_barrier": "barrier",
+}
+_FUNCTIONAL_OPS = {
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+}
+_deep_active: list["CommLog"] = []
+_deep_originals: list[tuple[Any, str, Any, bool]] = []  # (owner, name, value, was_own_attr)
+
+
+def _deep_wrap(op: str, original: Callable) -> Callable:
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        for log in list(_deep_active):
+            log.pg_calls.append(op)
+        return original(*args, **kwargs)
+
+    return spy
+
+
+def _deep_patch() -> None:
+    from torch._C._distributed_c10d import ProcessGroup
+
+    targets: list[tuple[Any, dict[str, str]]] = [(ProcessGroup, _PG_METHODS)]
+    try:
+        targets.append((torch.ops._c10d_functional, _FUNCTIONAL_OPS))
+    except Exception:  # noqa: BLE001 - a torch without functional collectives
+        pass
+    for owner, names in targets:
+        for name, op in names.items():
+            try:
+                original = getattr(owner, name)
+            except (AttributeError, RuntimeError):
+                continue
+            own = name in vars(owner)  # restore the raw entry (a pybind11 instancemethod)
+            _deep_originals.append((owner, name, vars(owner).get(name), own))
+            setattr(owner, name, _deep_wrap(op, original))
+
+
+def _deep_restore() -> None:
+    for owner, name, original, own in reversed(_deep_originals):
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+    _deep_originals.clear()
+
+
 class CommLog:
     """Record every ``torch.distributed`` call this rank makes inside ``with CommLog() as log``.
 
@@ -186,21 +259,31 @@ class CommLog:
     block add a few bytes. Nested and concurrent logs each get every record.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, deep: bool = False) -> None:
         self.records: list[CommRecord] = []
         self.wire_bytes: int | None = None
+        self.pg_calls: list[str] = []  # ops that reached a ProcessGroup (deep=True only)
         self._w0: int | None = None
+        self._deep = deep
 
     def __enter__(self) -> "CommLog":
         with _lock:
             if not _active:
                 for name in _OPS:
-                    original = getattr(dist, name, None)
-                    if original is None:
-                        continue
-                    _originals[name] = original
-                    setattr(dist, name, _wrap(name, original))
+                    wrappers: dict[int, Callable] = {}  # one wrapper per distinct function
+                    for module in _MODULES:
+                        original = getattr(module, name, None)
+                        if original is None:
+                            continue
+                        _originals[(module, name)] = original
+                        if id(original) not in wrappers:
+                            wrappers[id(original)] = _wrap(name, original)
+                        setattr(module, name, wrappers[id(original)])
             _active.append(self)
+            if self._deep:
+                if not _deep_active:
+                    _deep_patch()
+                _deep_active.append(self)
         self._w0 = _io_wchar()
         return self
 
@@ -208,10 +291,14 @@ class CommLog:
         w1 = _io_wchar()
         self.wire_bytes = None if self._w0 is None or w1 is None else w1 - self._w0
         with _lock:
+            if self._deep:
+                _deep_active.remove(self)
+                if not _deep_active:
+                    _deep_restore()
             _active.remove(self)
             if not _active:
-                for name, original in _originals.items():
-                    setattr(dist, name, original)
+                for (module, name), original in _originals.items():
+                    setattr(module, name, original)
                 _originals.clear()
 
     # summaries -------------------------------------------------------------------------

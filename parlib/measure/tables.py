@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -39,12 +40,16 @@ class Table:
 
     ``Table(["strategy", "steps/s"], [["naive", 12.3], ["ddp", 20.1]], title="...")``.
     Floats are shown with about three significant figures; strings are shown as given.
+    Columns of numbers are right-aligned, columns holding any text left-aligned (in text and
+    in HTML). As text, the widest text column wraps so that lines fit ``max_width``.
     """
 
-    def __init__(self, columns: Sequence[str], rows: Iterable[Sequence[Any]], title: str = ""):
+    def __init__(self, columns: Sequence[str], rows: Iterable[Sequence[Any]], title: str = "",
+                 max_width: int = 100):
         self.columns = list(columns)
         self.rows = [list(r) for r in rows]
         self.title = title
+        self.max_width = max_width
         for r in self.rows:
             if len(r) != len(self.columns):
                 raise ValueError(f"row {r!r} has {len(r)} cells, expected {len(self.columns)}")
@@ -56,30 +61,45 @@ class Table:
     def _cells(self) -> list[list[str]]:
         return [[_fmt(v) for v in r] for r in self.rows]
 
+    def _numeric(self, i: int) -> bool:
+        return bool(self.rows) and all(not isinstance(r[i], str) for r in self.rows)
+
     def __str__(self) -> str:
         cells = self._cells()
         widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(self.columns)]
+        total = sum(widths) + 2 * (len(widths) - 1)
+        text_cols = [i for i in range(len(widths)) if not self._numeric(i)]
+        rows = cells
+        if total > self.max_width and text_cols:
+            # Wrap the widest text column; its continuation lines leave the others blank.
+            wide = max(text_cols, key=lambda i: widths[i])
+            widths[wide] = max(len(self.columns[wide]), 12, widths[wide] - (total - self.max_width))
+            rows = []
+            for r in cells:
+                parts = textwrap.wrap(r[wide], widths[wide]) or [""]
+                rows.append(r[:wide] + [parts[0]] + r[wide + 1:])
+                rows.extend([""] * wide + [p] + [""] * (len(r) - wide - 1) for p in parts[1:])
 
         def line(values: list[str]) -> str:
-            out = []
-            for i, v in enumerate(values):
-                numeric = all(not isinstance(r[i], str) for r in self.rows) and self.rows
-                out.append(v.rjust(widths[i]) if numeric else v.ljust(widths[i]))
-            return "  ".join(out).rstrip()
+            return "  ".join(v.rjust(widths[i]) if self._numeric(i) else v.ljust(widths[i])
+                             for i, v in enumerate(values)).rstrip()
 
         parts = [self.title] if self.title else []
         parts.append(line(self.columns))
         parts.append("  ".join("-" * w for w in widths))
-        parts.extend(line(r) for r in cells)
+        parts.extend(line(r) for r in rows)
         return "\n".join(parts)
 
     def __repr__(self) -> str:
         return str(self)
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        # Notebook front ends right-align table cells: text columns ask for the left.
+        align = ["" if self._numeric(i) else ' style="text-align: left"'
+                 for i in range(len(self.columns))]
+        head = "".join(f"<th{a}>{html.escape(c)}</th>" for a, c in zip(align, self.columns))
         body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
+            "<tr>" + "".join(f"<td{a}>{html.escape(c)}</td>" for a, c in zip(align, r)) + "</tr>"
             for r in self._cells()
         )
         cap = f"<caption>{html.escape(self.title)}</caption>" if self.title else ""

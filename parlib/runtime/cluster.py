@@ -1,8 +1,10 @@
 """Warm ranks: start N ranks once, then run many small functions on them in milliseconds.
 
-``Cluster`` keeps a :class:`~parlib.runtime.group.RankGroup` alive between calls. After any rank
-error, timeout or interrupt the surviving ranks may sit in a collective forever, so the
-group is torn down at once and rebuilt (with a message saying so) before the next call.
+``Cluster`` keeps a :class:`~parlib.runtime.group.RankGroup` alive between calls, and with it
+the variables ``%%ranks`` cells define. A Python exception on a rank, or an interrupt that
+stops every rank in Python code, leaves the ranks and their variables as they were. When a
+rank died, or ranks were left waiting in a collective (so the process group may be half-way
+through one), every rank is killed; the next call rebuilds the cluster and says so.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from parlib.runtime.errors import RankError
+from parlib.runtime.errors import RankError, RanksInterrupted, install_short_tracebacks
 from parlib.runtime.group import RankGroup
 from parlib.runtime.policy import validate_sizes
 
@@ -42,6 +44,7 @@ class Cluster:
 
     def _start(self) -> None:
         group = RankGroup(self.world_size, self.backend, self.timeout, self.env)
+        group.warm = True
         group.start()
         self._group = group
 
@@ -56,10 +59,12 @@ class Cluster:
     def run_with_timeout(self, fn: Callable[..., Any], args: tuple = (),
                          kwargs: dict | None = None, timeout: float | None = None) -> list[Any]:
         """``run`` with this call's own time limit (the cluster's timeout when None)."""
+        __tracebackhide__ = True
         if not callable(fn):
             raise ValueError(f"fn must be callable, got {fn!r}")
         if self._closed:
             raise RuntimeError("this Cluster is closed: call restart() or make a new one")
+        install_short_tracebacks()
         if self._group is None or self._group.closed:
             print(
                 f"parlib: rebuilding the cluster ({self.world_size} ranks) after the last "
@@ -70,10 +75,11 @@ class Cluster:
         assert self._group is not None
         try:
             return self._group.run(fn, args, kwargs, timeout=timeout)
-        except (RankError, KeyboardInterrupt):
+        except (RankError, RanksInterrupted) as err:
             self._faults += 1
-            self._group = None  # the group killed its ranks; rebuild on the next call
-            raise
+            if self._group.closed:
+                self._group = None  # the group killed its ranks; rebuild on the next call
+            raise err.with_traceback(None) from None  # the learner's frames, not parlib's
 
     def restart(self) -> Cluster:
         """End every rank and start fresh ones (a clean process group, empty namespaces)."""
@@ -96,6 +102,9 @@ class Cluster:
             return "closed"
         if self._group is None or self._group.closed:
             return "will rebuild on next call"
+        dead = self._group.dead_ranks()
+        if dead:
+            return f"rank(s) {', '.join(map(str, dead))} died: will rebuild on next call"
         return "running"
 
     def pids(self) -> list[int]:

@@ -3,32 +3,51 @@ traceback mapped back to the learner's cells."""
 
 from __future__ import annotations
 
+import io
 import linecache
 import os
 import re
 import traceback
+import types
+from collections import ChainMap
 from typing import Any
+
+import cloudpickle
 
 
 class RankError(RuntimeError):
     """A rank failed, hung past the timeout, or died. Raised in the notebook cell.
 
     Attributes: ``rank`` (the root-cause rank, or None), ``exc_type`` (the exception's type
-    name, ``"Timeout"`` or ``"Exited"``), ``remote_traceback`` (text, with frames from
-    notebook cells shown with their source lines).
+    name, ``"Timeout"``, ``"Exited"`` or ``"UnpicklingError"``), ``remote_traceback`` (the
+    rank's frames in the learner's code, cells shown with their source lines),
+    ``full_traceback`` (every frame, parlib's included), ``kept`` (True when the ranks were
+    left as they were: a warm cluster keeps its variables).
     """
 
-    def __init__(self, message: str, rank: int | None, exc_type: str, remote_traceback: str = ""):
+    def __init__(self, message: str, rank: int | None, exc_type: str, remote_traceback: str = "",
+                 kept: bool = False, full_traceback: str = ""):
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
         self.remote_traceback = remote_traceback
+        self.kept = kept
+        self.full_traceback = full_traceback or remote_traceback
 
     def __str__(self) -> str:
         text = super().__str__()
         if self.remote_traceback:
             text += "\n\n" + self.remote_traceback
         return text
+
+
+class RanksInterrupted(KeyboardInterrupt):
+    """The kernel was interrupted while ranks ran: says what was stopped and where each
+    rank was (``stacks``: faulthandler dumps of ranks that had to be killed)."""
+
+    def __init__(self, message: str, stacks: str = ""):
+        super().__init__(message)
+        self.stacks = stacks
 
 
 _INTERNAL_PATTERNS = (
@@ -101,9 +120,38 @@ def trim_traceback(tb: str | BaseException) -> str:
 
 
 def format_ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+    """``[0, 1, 2, 3, 5]`` -> ``"0-3, 5"``."""
+    parts: list[str] = []
+    for r in sorted(set(ranks)):
+        if parts and int(parts[-1].split("-")[-1]) == r - 1:
+            first = parts[-1].split("-")[0]
+            parts[-1] = f"{first}-{r}"
+        else:
+            parts.append(str(r))
+    return ", ".join(parts)
 
 
+
+
+def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
+    make, args = cloudpickle.cloudpickle._code_reduce(code)  # noqa: SLF001
+    return make, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = ChainMap({types.CodeType: _code_reduce_keeping_filename},
+                              cloudpickle.Pickler.dispatch_table)
+
+
+def dumps_for_ranks(obj: Any) -> bytes:
+    """cloudpickle, but code keeps its file name (a notebook cell's), so a rank's traceback
+    and stack dump name the learner's cell and line instead of ``<dynamic-code>``."""
+    if not hasattr(cloudpickle, "cloudpickle") or not hasattr(
+            cloudpickle.cloudpickle, "_code_reduce"):
+        return cloudpickle.dumps(obj)
+    with io.BytesIO() as buffer:
+        _Pickler(buffer).dump(obj)
+        return buffer.getvalue()
 
 
 def code_index(objects: tuple) -> dict[str, list[tuple[str, int, int]]]:
@@ -160,18 +208,77 @@ def _source_file(filename: str, lineno: int, name: str,
 
 
 def format_frames(frames: list[tuple[str, int, str, str]],
-                   index: dict[str, list[tuple[str, int, int]]] | None = None) -> str:
-    """Traceback text with the rank's frames; source lines of notebook cells come from the
-    kernel's linecache (the ranks cannot see cell source)."""
+                  index: dict[str, list[tuple[str, int, int]]] | None = None,
+                  everything: bool = False) -> str:
+    """Traceback text with the rank's frames in the learner's code (``everything``: all of
+    them); source lines of notebook cells come from the kernel's linecache (the ranks
+    cannot see cell source)."""
     lines = ["Traceback on the rank (most recent call last):"]
-    shown = [f for f in frames if not is_parlib_frame(f[0])] or frames
+    shown = frames if everything else (
+        [f for f in frames if not is_library_frame(f[0])]
+        or [f for f in frames if not is_parlib_frame(f[0])][-1:] or frames[-1:])
     for filename, lineno, name, line in shown:
         filename = _source_file(filename, lineno, name, index or {})
         source = line or linecache.getline(filename, lineno).strip()
-        lines.append(f'  File "{_cell_name(filename)}", line {lineno}, in {name}')
+        lines.append(f"  {_location(filename)}, line {lineno}, in {name}")
         if source:
             lines.append(f"    {source}")
     return "\n".join(lines) if shown else ""
+
+
+def where_text(frames: list[tuple[str, int, str, str]],
+               index: dict[str, list[tuple[str, int, int]]] | None = None) -> str:
+    """Where a rank was, in one line: its innermost frame in the learner's code."""
+    mine = [f for f in frames if not is_library_frame(f[0])]
+    if not mine:
+        return "a function with no Python source of yours (a builtin or a library)"
+    filename, lineno, name, line = mine[-1]
+    filename = _source_file(filename, lineno, name, index or {})
+    source = line or linecache.getline(filename, lineno).strip()
+    return f"{_cell_name(filename)}, line {lineno}, in {name}" + (f": {source}" if source else "")
+
+
+def failure_error(errors: list[dict[str, Any]], index: dict[str, list[tuple[str, int, int]]],
+                  still: list[int], stopped: list[int], broken: bool, warm: bool) -> RankError:
+    """One RankError for a failed call: the root cause first, then what happened to the
+    other ranks (``still``: killed while still running; ``stopped``: interrupted) and to a
+    warm cluster's variables."""
+    reports = [e for e in errors if e["exc_type"] != "KeyboardInterrupt"] or errors
+    genuine = [e for e in reports if not e.get("echo")] or reports
+    root = min(genuine, key=lambda e: e["time"])
+    others = sorted({e["rank"] for e in reports} - {root["rank"]})
+    message = f"rank {root['rank']} failed: {root['exc_type']}: {root['message']}"
+    notes = []
+    if others:
+        notes.append(f"rank(s) {format_ranks(others)} failed after it")
+    if stopped:
+        where = "; ".join(
+            f"rank {e['rank']} at {where_text(e['frames'], index)}" for e in errors
+            if e["rank"] in stopped and e["exc_type"] == "KeyboardInterrupt")
+        notes.append(f"rank(s) {format_ranks(stopped)} were interrupted ({where})")
+    if broken:
+        if still:
+            notes.append(f"rank(s) {format_ranks(still)} were still waiting (in a collective "
+                         f"for rank {root['rank']}?)")
+        notes.append("every rank was stopped" + (
+            "; the ranks restart on the next call and variables defined on them are lost"
+            if warm else ""))
+    elif warm:
+        notes.append("the ranks and their variables are as they were")
+    if notes:
+        message += "\n(" + "; ".join(notes) + ")"
+    return RankError(
+        message, rank=root["rank"], exc_type=root["exc_type"],
+        remote_traceback=format_frames(root["frames"], index), kept=not broken,
+        full_traceback=format_frames(root["frames"], index, everything=True)
+        + f"\n{root['exc_type']}: {root['message']}",
+    )
+
+
+def _location(filename: str) -> str:
+    """``Cell In[5]`` for a notebook cell, else ``File "path"`` (as IPython writes them)."""
+    name = _cell_name(filename)
+    return name if name.startswith("Cell In[") else f'File "{name}"'
 
 
 def _cell_name(filename: str) -> str:
@@ -207,4 +314,68 @@ def annotate_stack(text: str) -> str:
     return "\n".join(out)
 
 
-__all__ = ["RankError", "is_library_frame", "is_parlib_frame", "trim_traceback"]
+def _learner_tb(tb: Any) -> Any:
+    """The traceback with only the learner's frames (a %%ranks cell's own line dropped)."""
+    kept = []
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        line = linecache.getline(code.co_filename, tb.tb_lineno)
+        if not (is_library_frame(code.co_filename) or "run_cell_magic('ranks'" in line
+                or "__tracebackhide__" in tb.tb_frame.f_locals):
+            kept.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for item in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, item.tb_frame, item.tb_lasti, item.tb_lineno)
+    return rebuilt
+
+
+def _short_traceback(shell: Any, etype: type, value: BaseException, tb: Any,
+                     tb_offset: int | None = None) -> list[str]:
+    """IPython's view of RankError and RanksInterrupted: the learner's frames and the
+    rank's error, briefly (``full_traceback`` keeps everything)."""
+    import sys
+
+    sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
+    if isinstance(value, RanksInterrupted):
+        stb = [f"{etype.__name__}: {value}"]
+    else:
+        mine = _learner_tb(tb)
+        if mine is None:
+            stb = [f"{etype.__name__}: {value}"]
+        else:
+            stb = shell.InteractiveTB.structured_traceback(etype, value, mine, tb_offset=0)
+        stb.append("(every frame, parlib's included: sys.last_value.full_traceback)")
+    shell._showtraceback(etype, value, stb)  # noqa: SLF001 - how IPython shows a traceback
+    return stb
+
+
+_previous_handler: Any = None
+
+
+def install_short_tracebacks() -> None:
+    """In IPython, show RankError and RanksInterrupted briefly (once per shell; nothing
+    outside IPython, which is never imported here)."""
+    global _previous_handler
+    import sys
+
+    if "IPython" not in sys.modules:
+        return
+    shell = sys.modules["IPython"].get_ipython()
+    if shell is None or getattr(shell, "_parlib_short_tb", False):
+        return
+    previous = tuple(getattr(shell, "custom_exceptions", ()) or ())
+    previous_handler = getattr(shell, "CustomTB", None) if previous else None
+
+    def handler(shell: Any, etype: type, value: BaseException, tb: Any,
+                tb_offset: int | None = None) -> list[str]:
+        if isinstance(value, (RankError, RanksInterrupted)):
+            return _short_traceback(shell, etype, value, tb, tb_offset)
+        return previous_handler(etype, value, tb, tb_offset=tb_offset)
+
+    shell.set_custom_exc((RankError, RanksInterrupted, *previous), handler)
+    shell._parlib_short_tb = True
+
+
+__all__ = ["RankError", "RanksInterrupted", "install_short_tracebacks", "is_library_frame",
+           "is_parlib_frame", "trim_traceback"]

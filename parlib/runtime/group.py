@@ -4,20 +4,24 @@ their results, and turn any failure into one :class:`RankError`.
 ``launch(fn, world_size=4)`` forks ranks from a forkserver that has torch preloaded, ships
 ``fn`` to them with cloudpickle (so functions defined in a cell work), joins them in a
 process group over a file store on this machine, prints each rank's output in the running
-cell (:mod:`parlib.runtime.output`), and returns what each rank returned. Any failure
-ends every rank and raises :class:`RankError` in the cell; so does a timeout, and a kernel
-interrupt raises ``KeyboardInterrupt``. :class:`RankGroup` is the piece both ``launch`` and
-:class:`parlib.Cluster` stand on.
+cell (:mod:`parlib.runtime.output`), and returns what each rank returned.
+
+What a failure leaves behind, as in a normal notebook cell where possible:
+
+- a Python exception on a rank, when every other rank finished or raised too: the ranks
+  (and a warm cluster's variables) stay as they were;
+- a rank that died, or ranks still waiting (in a collective) after another failed, or not
+  answering an interrupt: every rank is killed (a warm cluster restarts on its next call);
+- a kernel interrupt: each running rank gets ``KeyboardInterrupt`` in its own code; ranks
+  stuck in C++ (a collective) are killed.
 """
 
 from __future__ import annotations
 
 import atexit
+import math
 import os
-import shutil
-import signal
 import sys
-import tempfile
 import time
 import weakref
 from collections.abc import Callable
@@ -26,12 +30,14 @@ from typing import Any
 
 import cloudpickle
 
+from parlib.runtime import procs
 from parlib.runtime.errors import (
     RankError,
-    annotate_stack,
+    RanksInterrupted,
     code_index,
-    format_frames,
-    format_ranks,
+    dumps_for_ranks,
+    failure_error,
+    install_short_tracebacks,
 )
 from parlib.runtime.output import RankOutput
 from parlib.runtime.policy import (
@@ -41,12 +47,14 @@ from parlib.runtime.policy import (
     threads_per_rank,
     validate_sizes,
 )
+from parlib.runtime.stopping import SETTLE_S, Stopping
 
 _announced = False
+_stale_cleaned = False
 _live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
 
 
-class RankGroup:
+class RankGroup(Stopping):
     """``world_size`` rank processes in one process group, serving tasks until closed."""
 
     def __init__(
@@ -64,179 +72,264 @@ class RankGroup:
         if any(not isinstance(k, str) or not isinstance(v, str) for k, v in self.env.items()):
             raise ValueError("env must map str to str")
         self.procs: list[Any] = []
+        self.ids: list[tuple[int, int | None]] = []  # (pid, start time) of every rank
         self.ctrls: list[Any] = []
         self.output = RankOutput()
+        self.warm = False  # a Cluster's group: errors say what happened to the variables
         self._tmp = ""
+        self._lifeline: Any = None
+        self._loose: list[Any] = []  # pipe ends not yet owned by a rank
         self.closed = True
         self._code_index: dict[str, list[tuple[str, int, int]]] = {}
+        self._limit_s = self.timeout
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> RankGroup:
-        global _announced
+        global _announced, _stale_cleaned
+        __tracebackhide__ = True
+        install_short_tracebacks()
+        ctx = start_context()
         if not _announced:
             print(
                 f"parlib: {self.world_size} rank(s) on {self.plan.device_type.upper()} with "
                 f"{self.plan.backend} ({self.plan.reason}); start method "
-                f"{start_context().get_start_method()}",
+                f"{ctx.get_start_method()}",
                 flush=True,
             )
             _announced = True
-        ctx = start_context()
-        self._tmp = tempfile.mkdtemp(prefix="parlib-")
-        env = dict(os.environ)
-        env.update(self.env)
-        loop = loopback_ifname()
-        env.setdefault("GLOO_SOCKET_IFNAME", loop)
-        env.setdefault("NCCL_SOCKET_IFNAME", loop)
-        threads = threads_per_rank(self.world_size)
         self.closed = False
         _live_groups.add(self)
         try:
+            if not _stale_cleaned:
+                _stale_cleaned = True
+                procs.remove_stale_temp_dirs()
+            procs.own_multiprocessing_temp_dir()
+            self._tmp = procs.make_temp_dir("group")
+            lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
+            self._loose.append(lifeline_r)
+            env = dict(os.environ)
+            env.update(self.env)
+            loop = loopback_ifname()
+            env.setdefault("GLOO_SOCKET_IFNAME", loop)
+            env.setdefault("NCCL_SOCKET_IFNAME", loop)
+            threads = threads_per_rank(self.world_size)
+            from parlib.runtime import worker  # torch loads in the forkserver, not here
+
+            if ctx.get_start_method() == "forkserver":
+                from multiprocessing import forkserver
+
+                with procs.main_module_hidden():
+                    forkserver.ensure_running()  # slow the first time: interruptible
+
             for rank in range(self.world_size):
                 parent_ctrl, child_ctrl = ctx.Pipe(duplex=True)
+                self._loose += [parent_ctrl, child_ctrl]
                 out_r, out_w = ctx.Pipe(duplex=False)
+                self._loose += [out_r, out_w]
                 err_r, err_w = ctx.Pipe(duplex=False)
-                rank_env = dict(env)
-                device = f"cuda:{rank}" if self.plan.device_type == "cuda" else "cpu"
-                rank_env.update(
-                    RANK=str(rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(rank),
-                    LOCAL_WORLD_SIZE=str(self.world_size), PARLIB_DEVICE=device,
-                    PARLIB_BACKEND=self.plan.backend,
-                )
-                rank_env.setdefault("OMP_NUM_THREADS", str(threads))
-                spec = {
-                    "rank": rank, "world_size": self.world_size, "local_rank": rank,
-                    "backend": self.plan.backend, "store_path": os.path.join(self._tmp, "store"),
-                    "stack_path": os.path.join(self._tmp, f"stack{rank}.txt"),
-                    "pg_timeout": max(self.timeout, 1.0), "env": rank_env, "cwd": os.getcwd(),
-                    "sys_path": list(sys.path), "parent_pid": os.getpid(), "threads": threads,
-                }
-                from parlib.runtime import worker  # torch loads in the forkserver, not here
-
+                self._loose += [err_r, err_w]
                 proc = ctx.Process(
-                    target=worker.rank_main, args=(spec, child_ctrl, out_w, err_w),
+                    target=worker.rank_main,
+                    args=(self._spec(rank, env, threads), child_ctrl, out_w, err_w, lifeline_r),
                     name=f"parlib-rank-{rank}",
                 )
-                proc.start()
-                for conn in (child_ctrl, out_w, err_w):
-                    conn.close()
-                self.procs.append(proc)
+                # An interrupt inside start() could leave a rank nobody tracks, or kill the
+                # forkserver mid-handshake: hold it back until the rank is on our list.
+                with procs.interrupts_deferred(), procs.main_module_hidden():
+                    proc.start()
+                    self.procs.append(proc)
+                    self.ids.append((proc.pid, procs.start_time(proc.pid)))
                 self.ctrls.append(parent_ctrl)
                 self.output.add(rank, out_r, False)
                 self.output.add(rank, err_r, True)
-            self._collect(kind="ready", deadline=time.monotonic() + max(self.timeout, 30.0))
+                for conn in (child_ctrl, out_w, err_w):
+                    conn.close()
+                self._loose = [lifeline_r]
+            lifeline_r.close()
+            self._loose = []
+            limit = self.timeout if math.isfinite(self.timeout) else 600.0
+            self._collect(kind="ready", deadline=time.monotonic() + max(limit, 30.0))
         except BaseException:
             self.kill()
             raise
         return self
 
+    def _spec(self, rank: int, env: dict[str, str], threads: int) -> dict[str, Any]:
+        rank_env = dict(env)
+        device = f"cuda:{rank}" if self.plan.device_type == "cuda" else "cpu"
+        rank_env.update(
+            RANK=str(rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(self.world_size), PARLIB_DEVICE=device,
+            PARLIB_BACKEND=self.plan.backend,
+        )
+        rank_env.setdefault("OMP_NUM_THREADS", str(threads))
+        pg_timeout = self.timeout if math.isfinite(self.timeout) else 365 * 24 * 3600.0
+        return {
+            "rank": rank, "world_size": self.world_size, "local_rank": rank,
+            "backend": self.plan.backend, "store_path": os.path.join(self._tmp, "store"),
+            "stack_path": os.path.join(self._tmp, f"stack{rank}.txt"),
+            "pg_timeout": max(pg_timeout, 1.0), "env": rank_env, "cwd": os.getcwd(),
+            "sys_path": list(sys.path), "threads": threads,
+        }
+
     def close(self) -> None:
-        """Ask every rank to leave, then make sure it has (kill what lingers)."""
+        """Ask every rank to leave, then make sure it has (kill what lingers, even when an
+        interrupt arrives meanwhile)."""
         if self.closed:
             return
-        for conn in self.ctrls:
-            try:
-                conn.send(("exit", None))
-            except (OSError, ValueError):
-                pass
-        deadline = time.monotonic() + 2.0
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        self.output.drain()
-        self.kill()
+        try:
+            for conn in self.ctrls:
+                try:
+                    conn.send(("exit", None))
+                except (OSError, ValueError):
+                    pass
+            deadline = time.monotonic() + 2.0
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            self.output.drain()
+        finally:
+            self.kill()
 
     def kill(self) -> None:
-        """SIGKILL every rank (a rank inside gloo's C++ code never runs Python handlers)."""
-        for proc in self.procs:
-            if proc.exitcode is None:
+        """SIGKILL every rank and its children (a rank inside gloo's C++ code never runs
+        Python handlers); ranks not yet tracked end when their lifeline closes."""
+        with procs.interrupts_deferred():
+            if self._lifeline is not None:
+                self._lifeline.close()
+                self._lifeline = None
+            for pid, started in self.ids:
+                procs.kill_tree(pid, started)
+            for proc in self.procs:
                 try:
-                    proc.kill()
-                except (OSError, ValueError, AttributeError):
+                    proc.join(5.0)
+                    proc.close()
+                except (ValueError, AssertionError):
                     pass
-        for proc in self.procs:
-            try:
-                proc.join(5.0)
-                proc.close()
-            except (ValueError, AssertionError):
-                pass
-        for conn in self.ctrls:
-            conn.close()
-        self.output.close()
-        self.procs, self.ctrls = [], []
-        if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = ""
-        self.closed = True
-        _live_groups.discard(self)
+            for conn in self.ctrls + self._loose:
+                conn.close()
+            self.output.close()
+            self.procs, self.ids, self.ctrls, self._loose = [], [], [], []
+            if self._tmp:
+                import shutil
+
+                shutil.rmtree(self._tmp, ignore_errors=True)
+                self._tmp = ""
+            self.closed = True
+            _live_groups.discard(self)
 
     # -- running tasks -------------------------------------------------------------
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose process has ended (an idle rank can be killed from outside)."""
+        if self.closed:
+            return []
+        ready = set(wait([p.sentinel for p in self.procs], timeout=0))
+        return [r for r, p in enumerate(self.procs) if p.sentinel in ready]
+
     def run(self, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
             timeout: float | None = None) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; results ordered by rank."""
+        __tracebackhide__ = True
         if self.closed:
             raise RuntimeError("this rank group is closed")
         try:
-            payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
+            payload = dumps_for_ranks((fn, tuple(args), dict(kwargs or {})))
         except Exception as exc:
             raise ValueError(
                 f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
         self._code_index = code_index((fn, *args, *(kwargs or {}).values()))
-        for conn in self.ctrls:
-            conn.send(("run", payload))
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        dead = self.dead_ranks()
+        for rank, conn in enumerate(self.ctrls):
+            if rank in dead:
+                continue
+            try:
+                conn.send(("run", payload))
+            except (OSError, ValueError):
+                dead.append(rank)
+        if dead:
+            self._raise_dead_idle(dead)
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit if math.isfinite(limit) else math.inf
         results = self._collect(kind="ok", deadline=deadline)
-        return [cloudpickle.loads(data) for data in results]
+        values = []
+        for rank, data in enumerate(results):
+            try:
+                values.append(cloudpickle.loads(data))
+            except Exception as exc:  # noqa: BLE001 - e.g. a class only the rank can import
+                raise RankError(
+                    f"rank {rank} returned a value the notebook cannot unpickle: "
+                    f"{type(exc).__name__}: {exc}. Return plain numbers, lists, dicts or "
+                    "tensors.", rank=rank, exc_type="UnpicklingError", kept=True,
+                ) from None
+        return values
+
+    def _pump(self, kind: str, replies: dict, errors: list, dead: set, until: float,
+              stop: Callable[[], bool]) -> None:
+        """Handle replies, deaths and output until ``stop()`` or ``until``."""
+        sentinel_rank = {proc.sentinel: r for r, proc in enumerate(self.procs)}
+        ctrl_rank = {conn: r for r, conn in enumerate(self.ctrls)}
+        while not stop():
+            now = time.monotonic()
+            if now >= until:
+                return
+            answered = set(replies) | {e["rank"] for e in errors}
+            waitables = [c for c, r in ctrl_rank.items() if r not in answered and r not in dead]
+            waitables += [s for s, r in sentinel_rank.items() if r not in dead]
+            waitables += self.output.connections()
+            tick = 0.05 if self.output.pending() else 0.5
+            for obj in wait(waitables, timeout=max(0.0, min(until - now, tick))):
+                if obj in sentinel_rank:
+                    rank = sentinel_rank[obj]
+                    dead.add(rank)
+                    # A reply may already sit in the pipe: read it before calling it a death.
+                    if rank not in replies and self.ctrls[rank].poll():
+                        self._read_reply(rank, kind, replies, errors)
+                elif obj in ctrl_rank:
+                    self._read_reply(ctrl_rank[obj], kind, replies, errors)
+                else:
+                    self.output.read(obj)
+            self.output.flush_partials()
 
     def _collect(self, kind: str, deadline: float) -> list[Any]:
         """Wait for every rank's reply, printing output meanwhile; raise on any failure."""
-        limit_s = deadline - time.monotonic()
+        __tracebackhide__ = True
         replies: dict[int, Any] = {}
         errors: list[dict[str, Any]] = []
-        fail_deadline: float | None = None
-        sentinel_rank = {proc.sentinel: r for r, proc in enumerate(self.procs)}
-        ctrl_rank = {conn: r for r, conn in enumerate(self.ctrls)}
         dead: set[int] = set()
+        n = self.world_size
+        self._limit_s = deadline - time.monotonic()
+
+        def settled() -> bool:
+            return len(replies) + len({e["rank"] for e in errors} | dead - set(replies)) >= n
+
         try:
-            while len(replies) < self.world_size:
-                now = time.monotonic()
-                if fail_deadline is not None and now >= fail_deadline:
-                    break
-                if now >= deadline:
-                    self._raise_timeout(replies, limit_s)
-                limit = min(deadline, fail_deadline or deadline) - now
-                waitables = [c for c, r in ctrl_rank.items() if r not in replies and r not in dead]
-                waitables += [s for s, r in sentinel_rank.items() if r not in dead]
-                waitables += self.output.connections()
-                for obj in wait(waitables, timeout=max(0.0, min(limit, 0.5))):
-                    if obj in sentinel_rank:
-                        rank = sentinel_rank[obj]
-                        dead.add(rank)
-                        if rank in replies:
-                            continue
-                        # A reply may already sit in the pipe: read it before calling it a death.
-                        if self.ctrls[rank].poll():
-                            self._read_reply(rank, kind, replies, errors)
-                        if rank not in replies and not any(e["rank"] == rank for e in errors):
-                            errors.append(self._death_report(rank))
-                    elif obj in ctrl_rank:
-                        self._read_reply(ctrl_rank[obj], kind, replies, errors)
-                    else:
-                        self.output.read(obj)
-                if errors and fail_deadline is None:
-                    # Give the other ranks a moment to report, so the root cause can be told
-                    # apart from peers failing because of it.
-                    fail_deadline = time.monotonic() + 0.5
+            self._pump(kind, replies, errors, dead, deadline,
+                       lambda: settled() or bool(errors) or bool(dead - set(replies)))
+            if (errors or dead - set(replies)) and not settled():
+                self._pump(kind, replies, errors, dead, time.monotonic() + SETTLE_S, settled)
         except KeyboardInterrupt:
-            self.kill()
-            raise
-        if errors:
-            self.output.drain()
-            self.kill()
-            raise self._rank_error(errors)
+            self._interrupted(kind, replies, errors, dead)
         self.output.drain()
-        return [replies[r] for r in range(self.world_size)]
+        self.output.flush_partials(0.0)
+        if not (errors or dead - set(replies)):
+            if len(replies) < n:
+                self._raise_timeout(kind, replies, errors, dead, deadline)
+            return [replies[r] for r in range(n)]
+        running = [r for r in range(n) if r not in replies and r not in dead
+                   and not any(e["rank"] == r for e in errors)]
+        deaths = sorted(dead - set(replies) - {e["rank"] for e in errors})
+        errors += [self._death_report(r) for r in deaths]
+        broken = kind != "ok" or bool(deaths) or any(
+            e.get("in_collective") or e.get("echo") for e in errors)
+        stopped: list[int] = []
+        if running and not broken:
+            stopped = self._interrupt(running, kind, replies, errors, dead, SETTLE_S)
+            broken = len(stopped) < len(running)
+        still = [r for r in running if r not in stopped]
+        if broken:
+            self.kill()
+        raise failure_error(errors, self._code_index, still, stopped, broken, self.warm)
 
     def _read_reply(self, rank: int, kind: str, replies: dict, errors: list) -> None:
         try:
@@ -247,69 +340,6 @@ class RankGroup:
             errors.append(data)
         elif status == kind:
             replies[rank] = data
-
-    def _death_report(self, rank: int) -> dict[str, Any]:
-        code = self.procs[rank].exitcode
-        if code is not None and code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            message = f"rank {rank} was killed by {name}"
-        else:
-            message = f"rank {rank} exited with code {code} before it returned"
-        return {"rank": rank, "exc_type": "Exited", "message": message, "frames": [],
-                "time": time.time(), "echo": False}
-
-    def _raise_timeout(self, replies: dict[int, Any], limit_s: float) -> None:
-        stuck = [r for r in range(self.world_size) if r not in replies]
-        stacks = self._stacks(stuck)
-        done = sorted(replies)
-        self.output.drain()
-        self.kill()
-        hint = ""
-        if done:
-            hint = (
-                f" Rank(s) {format_ranks(done)} finished while rank(s) "
-                f"{format_ranks(stuck)} were still waiting: did every rank call the same "
-                "collectives, and does every recv have a matching send?"
-            )
-        raise RankError(
-            f"rank(s) {format_ranks(stuck)} did not finish within {limit_s:.3g} s; every rank was "
-            f"stopped.{hint}",
-            rank=stuck[0], exc_type="Timeout", remote_traceback=stacks,
-        )
-
-    def _stacks(self, ranks: list[int]) -> str:
-        """Ask hung ranks where they are (faulthandler on SIGUSR1) before killing them."""
-        for r in ranks:
-            try:
-                os.kill(self.procs[r].pid, signal.SIGUSR1)
-            except (OSError, TypeError):
-                pass
-        time.sleep(0.2)
-        parts = []
-        for r in ranks:
-            try:
-                with open(os.path.join(self._tmp, f"stack{r}.txt")) as fh:
-                    text = fh.read().strip()
-            except OSError:
-                text = ""
-            if text:
-                parts.append(f"rank {r} was here when stopped:\n" + annotate_stack(text))
-        return "\n\n".join(parts)
-
-    # -- errors --------------------------------------------------------------------
-    def _rank_error(self, errors: list[dict[str, Any]]) -> RankError:
-        genuine = [e for e in errors if not e["echo"]] or errors
-        root = min(genuine, key=lambda e: e["time"])
-        others = sorted({e["rank"] for e in errors} - {root["rank"]})
-        tb = format_frames(root["frames"], self._code_index)
-        message = f"rank {root['rank']} failed: {root['exc_type']}: {root['message']}"
-        if others:
-            message += f"\n(rank(s) {format_ranks(others)} failed after it; all ranks were stopped)"
-        return RankError(message, rank=root["rank"], exc_type=root["exc_type"],
-                         remote_traceback=tb)
 
     def __enter__(self) -> RankGroup:
         return self.start()
@@ -330,15 +360,19 @@ def launch(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results by rank.
 
     Raises ``RankError`` naming the root-cause rank when any rank fails, dies or does not
-    finish within ``timeout`` seconds; every rank process is gone by then.
+    finish within ``timeout`` seconds (``float("inf")``: no limit); every rank process is
+    gone by then.
     """
+    __tracebackhide__ = True
     if not callable(fn):
         raise ValueError(f"fn must be callable (a function to run on every rank), got {fn!r}")
     validate_sizes(world_size, timeout)
     group = RankGroup(world_size, backend=backend, timeout=timeout, env=env)
-    group.start()
     try:
+        group.start()
         return group.run(fn, args, kwargs)
+    except (RankError, RanksInterrupted) as err:
+        raise err.with_traceback(None) from None  # the learner's frames, not parlib's
     finally:
         group.close()
 

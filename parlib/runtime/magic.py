@@ -5,8 +5,10 @@
     %%ranks -o total          bring `total` back: a list, one value per rank
     %ranks start 4 | status | stop | restart
 
-Variables a cell defines stay on each rank for the next ``%%ranks`` cell. A cell whose
-last line is an expression returns that expression's value from every rank it ran on.
+Variables a cell defines stay on each rank for the next ``%%ranks`` cell, also after an
+exception in a cell or an interrupt; they are lost only when a rank process died or ranks
+were left waiting in a collective (the error says so, and the cluster restarts). A cell
+whose last line is an expression returns that expression's value from every rank it ran on.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import itertools
 import linecache
 import shlex
+import sys
 from typing import Any
 
 from parlib.runtime.cluster import Cluster
@@ -51,6 +54,42 @@ def _run_cell_on(ranks: tuple[int, ...] | None, source: str, filename: str,
     return exec_cell(source, filename, outputs)
 
 
+def _running_cell_number(shell: Any) -> int:
+    """The In[n] of the cell running this magic: the number IPython gave the file of the
+    frame that called it (``execution_count`` may already point at the next cell)."""
+    known = getattr(shell.compile, "_filename_map", {})
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename in known:
+            return known[frame.f_code.co_filename]
+        frame = frame.f_back
+    return shell.execution_count
+
+
+def _cell_file(line: str, cell: str) -> tuple[str, str]:
+    """A file name for the cell that tracebacks show as IPython does (``Cell In[5]``), and
+    the source to run, padded so that its line numbers are the cell's as the page shows
+    them (the ``%%ranks`` line is line 1)."""
+    text = f"%%ranks {line}".rstrip() + "\n" + cell
+    source = "\n" + cell
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    if shell is not None and hasattr(shell, "compile"):
+        number = _running_cell_number(shell)
+        try:
+            name = shell.compile.cache(text, number, raw_code=f"# %%ranks {number}\n{text}")
+            return name, source
+        except Exception:  # noqa: BLE001 - fall back to a name of our own
+            pass
+    filename = f"<%%ranks cell {next(_cell_counter)}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    return filename, source
+
+
 def _parser(cell: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="%%ranks" if cell else "%ranks", add_help=False,
                                      exit_on_error=False)
@@ -70,6 +109,7 @@ def _parser(cell: bool) -> argparse.ArgumentParser:
 def ranks_magic(line: str, cell: str | None = None, local_ns: dict | None = None) -> Any:
     """Implementation shared by the line and cell forms (see the module docstring)."""
     global _cluster
+    __tracebackhide__ = True
     try:
         opts = _parser(cell is not None).parse_args(shlex.split(line))
     except (argparse.ArgumentError, SystemExit) as exc:
@@ -98,12 +138,10 @@ def ranks_magic(line: str, cell: str | None = None, local_ns: dict | None = None
         bad = [r for r in selected if not 0 <= r < cluster.world_size]
         if bad:
             raise ValueError(f"--rank {bad} is outside 0..{cluster.world_size - 1}")
-    filename = f"<%%ranks cell {next(_cell_counter)}>"
-    # Keep the cell's source here so rank tracebacks can show its lines.
-    linecache.cache[filename] = (len(cell), None, cell.splitlines(True), filename)
+    filename, source = _cell_file(line, cell)
     outputs = tuple(opts.output)
     results = cluster.run_with_timeout(
-        _run_cell_on, (selected, cell, filename, outputs), timeout=opts.timeout
+        _run_cell_on, (selected, source, filename, outputs), timeout=opts.timeout
     )
     chosen = list(selected) if selected is not None else list(range(cluster.world_size))
     if outputs and local_ns is not None:
@@ -116,7 +154,12 @@ def ranks_magic(line: str, cell: str | None = None, local_ns: dict | None = None
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    from parlib.runtime.errors import install_short_tracebacks
+
+    install_short_tracebacks()
+
     def ranks(line: str, cell: str | None = None) -> Any:
+        __tracebackhide__ = True
         return ranks_magic(line, cell, ipython.user_ns)
 
     ranks.__doc__ = __doc__

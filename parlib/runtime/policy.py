@@ -53,12 +53,35 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
+def max_ranks() -> int:
+    """The most ranks a launch may start: 8 per core (at least 16), or ``PARLIB_MAX_RANKS``."""
+    try:
+        return int(os.environ["PARLIB_MAX_RANKS"])
+    except (KeyError, ValueError):
+        return max(16, 8 * (os.cpu_count() or 1))
+
+
 def validate_sizes(world_size: Any, timeout: Any) -> None:
-    """A clear ValueError for a world size or timeout no launch can use."""
+    """A clear ValueError for a world size or timeout no launch can use.
+
+    ``timeout=float("inf")`` means no time limit.
+    """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    limit = max_ranks()
+    if world_size > limit:
+        raise ValueError(
+            f"world_size={world_size} is more ranks than this machine can run: each rank is a "
+            f"process (tens of MB), and {os.cpu_count()} core(s) allow at most {limit} here. "
+            f"Use fewer ranks, or set the environment variable PARLIB_MAX_RANKS={world_size} "
+            "if you really mean it."
+        )
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not timeout > 0):
+        raise ValueError(
+            f"timeout must be a positive number of seconds (float('inf') for none), "
+            f"got {timeout!r}"
+        )
 
 
 def start_context() -> Any:

@@ -7,6 +7,9 @@ and a launch costs a fork plus the process-group handshake. Nothing here is publ
 from __future__ import annotations
 
 import ast
+import atexit
+import contextlib
+import ctypes
 import faulthandler
 import io
 import os
@@ -40,20 +43,103 @@ ECHO_MARKERS = (
 CELL_NAMESPACE: dict[str, Any] = {"__name__": "__ranks__"}
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """End this rank if the notebook kernel that launched it disappears (e.g. SIGKILL)."""
-    while True:
-        time.sleep(0.25)
+def _watch_lifeline(fd: int) -> None:
+    """End this rank (and its children) when the launcher closes its end of the lifeline:
+    on ``kill()``, an interrupt during start-up, or the kernel's death (zombie or not)."""
+    try:
+        while os.read(fd, 1):
+            pass
+    except OSError:
+        pass
+    _kill_own_group()
+
+
+def _kill_own_group() -> None:
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _bind_to_parent() -> None:
+    """Lead a process group (so the launcher can end our children with us) and die with the
+    forkserver (the OS sends SIGKILL even while C code holds the GIL)."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the parent died before the call
+                _kill_own_group()
+    # The forkserver hands every child its "kernel alive" pipe; holding it would keep the
+    # forkserver (and so us) alive after the kernel dies.
+    with contextlib.suppress(Exception):
+        from multiprocessing import forkserver
+
+        fd = forkserver._forkserver._forkserver_alive_fd  # noqa: SLF001
+        if fd is not None:
+            os.close(fd)
+        forkserver._forkserver._forkserver_alive_fd = None  # noqa: SLF001
+
+
+def _in_forkserver() -> bool:
+    try:
+        with open("/proc/self/cmdline", "rb") as fh:
+            return b"multiprocessing.forkserver" in fh.read()
+    except OSError:
+        return False
+
+
+def _end_ranks_with_forkserver(me: int, kernel: int) -> None:
+    """At the forkserver's exit (its kernel is gone): kill every rank it forked, with their
+    children, and remove the kernel's parlib temp folders."""
+    if os.getpid() != me:
+        return
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
         try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            os.kill(os.getpid(), signal.SIGKILL)
-        except PermissionError:  # pid reused by another user's process: ours is gone
-            os.kill(os.getpid(), signal.SIGKILL)
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            pid = int(entry)
+            with contextlib.suppress(OSError):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    import shutil
+    import tempfile
+
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if name.startswith(f"parlib-{kernel}-"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+if _in_forkserver():
+    atexit.register(_end_ranks_with_forkserver, os.getpid(), os.getppid())
+
+
+class _Interrupt:
+    """SIGUSR2 from the launcher raises KeyboardInterrupt in the learner's code, only while
+    a task runs (an idle rank ignores it), like Jupyter's interrupt in a normal cell."""
+
+    running = False
+
+    @classmethod
+    def handler(cls, signum: int, frame: Any) -> None:
+        if cls.running:
+            cls.running = False
+            raise KeyboardInterrupt
 
 
 def _redirect_output(out_fd: int, err_fd: int) -> None:
-    """Send fd 1 and 2 (Python and C++ output alike) to the launcher, a whole line at a time."""
+    """Send fd 1 and 2 (Python and C++ output alike) to the launcher as it is written."""
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
     os.close(out_fd)
@@ -61,10 +147,23 @@ def _redirect_output(out_fd: int, err_fd: int) -> None:
     for name, fd in (("stdout", 1), ("stderr", 2)):
         stream = io.TextIOWrapper(
             io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="replace",
-            line_buffering=True,
+            write_through=True,  # partial lines and \r progress bars reach the cell live
         )
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
+
+
+def safe_str(exc: BaseException) -> str:
+    """``str(exc)``, or a stand-in naming what went wrong when the exception's own
+    ``__str__`` raises."""
+    try:
+        return str(exc)
+    except BaseException as inner:  # noqa: BLE001
+        try:
+            args = repr(exc.args)[:500]
+        except BaseException:  # noqa: BLE001
+            args = "?"
+        return f"(its __str__ raised {type(inner).__name__}; args={args})"
 
 
 def error_report(exc: BaseException, rank: int) -> dict[str, Any]:
@@ -73,13 +172,17 @@ def error_report(exc: BaseException, rank: int) -> dict[str, Any]:
         (f.filename, f.lineno, f.name, f.line or "")
         for f in traceback.extract_tb(exc.__traceback__)
     ]
-    message = str(exc)
+    message = safe_str(exc)
     text = f"{type(exc).__name__}: {message}"
     echo = isinstance(exc, getattr(dist, "DistNetworkError", ())) or any(
         marker in text for marker in ECHO_MARKERS
     )
+    in_collective = isinstance(exc, getattr(dist, "DistError", ())) or any(
+        f"torch{os.sep}distributed" in f[0] for f in frames[-3:]
+    )
     return {
         "rank": rank,
+        "in_collective": in_collective,
         "exc_type": type(exc).__name__,
         "message": message,
         "frames": frames,
@@ -88,9 +191,12 @@ def error_report(exc: BaseException, rank: int) -> dict[str, Any]:
     }
 
 
-def rank_main(spec: dict[str, Any], ctrl: Any, out_w: Any, err_w: Any) -> None:
+def rank_main(spec: dict[str, Any], ctrl: Any, out_w: Any, err_w: Any,
+              lifeline: Any) -> None:
     """Entry point of one rank: set up, join the process group, then serve tasks."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher ends ranks; no echo tracebacks
+    signal.signal(signal.SIGUSR2, _Interrupt.handler)
+    _bind_to_parent()
     rank, world_size = spec["rank"], spec["world_size"]
     _redirect_output(out_w.fileno(), err_w.fileno())
     os.environ.clear()  # the forkserver froze its environment at start: use the launcher's
@@ -100,7 +206,7 @@ def rank_main(spec: dict[str, Any], ctrl: Any, out_w: Any, err_w: Any) -> None:
     except OSError:
         pass
     sys.path[:] = spec["sys_path"]
-    threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
+    threading.Thread(target=_watch_lifeline, args=(lifeline.fileno(),), daemon=True).start()
     stack_file = open(spec["stack_path"], "w")  # noqa: SIM115 - lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     torch.set_num_threads(spec["threads"])
@@ -129,35 +235,50 @@ def rank_main(spec: dict[str, Any], ctrl: Any, out_w: Any, err_w: Any) -> None:
             break
         if message[0] == "exit":
             break
-        _run_task(message[1], rank, ctrl)
+        try:
+            _run_task(message[1], rank, ctrl)
+        except KeyboardInterrupt:  # landed between the learner's code and the report
+            ctrl.send(("error", error_report(KeyboardInterrupt(), rank)))
     _finish()
 
 
 def _run_task(payload: bytes, rank: int, ctrl: Any) -> None:
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
+        _Interrupt.running = True
         result = fn(*args, **kwargs)
+        _Interrupt.running = False
+        data = _dump_result(result)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
-        sys.stdout.flush()
-        sys.stderr.flush()
-        ctrl.send(("error", error_report(exc, rank)))
-        return
-    try:
-        data = cloudpickle.dumps(result)
-    except BaseException as exc:  # noqa: BLE001
-        report = error_report(exc, rank)
-        report["message"] = (
-            f"the return value (a {type(result).__name__}) cannot be pickled to send it back "
-            f"to the notebook: {exc}. Return plain numbers, lists, dicts or tensors."
-        )
-        report["exc_type"] = "PicklingError"
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _Interrupt.running = False
+        report = getattr(exc, "parlib_report", None) or error_report(exc, rank)
+        report["rank"] = rank
+        _flush_output()
         ctrl.send(("error", report))
         return
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush_output()
     ctrl.send(("ok", data))
+
+
+def _dump_result(result: Any) -> bytes:
+    try:
+        return cloudpickle.dumps(result)
+    except BaseException as exc:  # noqa: BLE001
+        report = error_report(exc, -1)
+        report["message"] = (
+            f"the return value (a {type(result).__name__}) cannot be pickled to send it back "
+            f"to the notebook: {safe_str(exc)}. Return plain numbers, lists, dicts or tensors."
+        )
+        report["exc_type"] = "PicklingError"
+        wrapped = RuntimeError(report["message"])
+        wrapped.parlib_report = report
+        raise wrapped from None
+
+
+def _flush_output() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _finish() -> None:

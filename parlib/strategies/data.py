@@ -8,8 +8,12 @@ ranks pool their gradients before the optimizer step. The pieces, from simplest 
 - :class:`Overlapped`: the same buckets, each all-reduced asynchronously from a
   ``register_post_accumulate_grad_hook`` as soon as its gradients are ready, so
   communication runs during the rest of backward; ``wait()`` before the step.
-- :class:`Zero1`: ZeRO stage 1. Reduce-scatter the gradients, step only this rank's shard
-  of the optimizer state, all-gather the updated parameters.
+- :class:`Zero1` (in :mod:`parlib.strategies.zero`, re-exported here): ZeRO stage 1.
+  Reduce-scatter the gradients, step only this rank's shard of the optimizer state,
+  all-gather the updated parameters.
+
+:class:`parlib.DataParallel` (:mod:`parlib.strategies.data_parallel`) wraps these syncs in an
+``nn.Module`` shaped like torch's ``DistributedDataParallel``.
 
 Helpers shared with later chapters: :func:`shard_rows` / :func:`local_batch` (this rank's
 rows of the global batch) and :func:`setup` (a model, optimizer and gradient sync for each
@@ -20,7 +24,6 @@ check against is in :mod:`parlib.verify`. ``reduce_scatter`` and ``all_gather`` 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,6 +34,7 @@ import torch.nn as nn
 from parlib.comm import all_gather, reduce_scatter
 from parlib.model import ModelConfig, build_model, make_batch, make_optimizer
 from parlib.runtime.policy import device as this_device
+from parlib.strategies.zero import Zero1
 
 
 def _world(group: Any = None) -> tuple[int, int]:
@@ -202,7 +206,8 @@ class Overlapped(Bucketed):
     async all-reduce starts, while autograd carries on with earlier layers. Buckets are
     launched strictly in order 0, 1, 2, ... so every rank issues the same sequence of
     collectives. Call ``wait()`` after ``backward()`` and before ``optimizer.step()``.
-    Call ``remove()`` to take the hooks off.
+    Call ``remove()`` to take the hooks off. While ``paused`` is true the hooks ignore
+    gradients (gradient accumulation: ``DataParallel.no_sync``).
     """
 
     def __init__(
@@ -218,6 +223,7 @@ class Overlapped(Bucketed):
             for p in b:
                 self._bucket_of[id(p)] = i
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.paused = False
         self._reset()
 
     def _reset(self) -> None:
@@ -232,6 +238,8 @@ class Overlapped(Bucketed):
             self._next += 1
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self.paused:
+            return
         self._pending[self._bucket_of[id(p)]] -= 1
         self._launch_ready()
 
@@ -253,85 +261,6 @@ class Overlapped(Bucketed):
         for h in self._handles:
             h.remove()
         self._handles = []
-
-
-# --------------------------------------------------------------------------------------
-# ZeRO stage 1
-# --------------------------------------------------------------------------------------
-
-
-class Zero1:
-    """ZeRO-1: each rank keeps optimizer state for only its 1/N slice of the parameters.
-
-    The parameters are viewed as one flat vector, padded to a multiple of N; rank r owns
-    elements ``[r*S, (r+1)*S)``. ``step()`` (after ``backward()``, with no other sync):
-
-    1. flatten the gradients and reduce-scatter them: rank r receives the *sum* of its
-       slice over all ranks, and divides by N;
-    2. step the wrapped optimizer on the fp32 slice it owns (Adam is elementwise, so a
-       flat slice gives the same numbers as per-tensor Adam);
-    3. all-gather the updated slices into the full flat vector and copy it into the model.
-
-    ``Zero1(model.parameters(), torch.optim.Adam, lr=1e-3)``. ``zero_grad()`` clears the
-    model's gradients. ``optimizer`` is the inner optimizer over the shard.
-    """
-
-    def __init__(
-        self,
-        params: Iterable[torch.Tensor],
-        optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.Adam,
-        group: Any = None,
-        **optimizer_kwargs: Any,
-    ) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        self.group = group
-        self.rank, self.world_size = _world(group)
-        total = sum(p.numel() for p in self.params)
-        self.shard_size = math.ceil(total / self.world_size)
-        self.padded = self.shard_size * self.world_size
-        flat = self._flatten([p.detach() for p in self.params])
-        lo = self.rank * self.shard_size
-        self.shard = flat[lo : lo + self.shard_size].clone().requires_grad_(True)
-        self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
-
-    def _flatten(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        p0 = self.params[0]
-        flat = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
-        offset = 0
-        for p, t in zip(self.params, tensors):
-            n = p.numel()
-            if t is not None:
-                flat[offset : offset + n].copy_(t.reshape(-1))
-            offset += n
-        return flat
-
-    @torch.no_grad()
-    def step(self) -> None:
-        flat_grad = self._flatten([p.grad for p in self.params])
-        shard_grad = torch.empty_like(self.shard)
-        reduce_scatter(shard_grad, flat_grad, group=self.group)
-        shard_grad.div_(self.world_size)
-        self.shard.grad = shard_grad
-        self.optimizer.step()
-        self.shard.grad = None
-        flat = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
-        all_gather(flat, self.shard.detach(), group=self.group)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
-
-    def extra_bytes(self) -> dict[str, int]:
-        """The fp32 shard this rank keeps besides the model (reported by memory_breakdown)."""
-        return {"shard copy": self.shard.numel() * self.shard.element_size()}
 
 
 # --------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ The neighbours are global ranks carried by the stage (``stage.prev_rank`` /
 * :func:`run_schedule` -- run one training step for this rank from a list of
   :class:`parlib.strategies.schedules.Op` (GPipe, 1F1B, ...), recording a timeline, the
   bytes sent and the peak saved-activation bytes; an optional *emulated* stage cost
-  (:class:`parlib.measure.emulation.StageCost`) pads compute so that pipelining shows on
-  a machine with fewer cores than ranks.
+  (:class:`parlib.measure.emulation.StageCost`, a time per row of the microbatch plus a
+  fixed time per call) pads compute so that pipelining shows on a machine with fewer
+  cores than ranks.
 * :func:`rank_step` -- the whole experiment on one rank, for ``parlib.launch``.
 
 Messages: sends use ``dist.isend`` (waited for at the end of the step) and receives a
@@ -217,7 +218,7 @@ def run_schedule(
                     if stage.is_last:
                         y = loss_fn(y, ys[i].to(device)) / m
                 if cost is not None:
-                    cost.pad(FORWARD, t0)
+                    cost.pad(FORWARD, t0, xs[i].shape[0], stage.rank)
             inputs[i], outputs[i] = x, y
             if stage.is_last:
                 loss_total += y.item()
@@ -229,7 +230,7 @@ def run_schedule(
                 t0 = time.perf_counter()
                 torch.autograd.backward(outputs.pop(i), grad)
                 if cost is not None:
-                    cost.pad(BACKWARD, t0)
+                    cost.pad(BACKWARD, t0, xs[i].shape[0], stage.rank)
             x = inputs.pop(i)
             if not stage.is_first:
                 send(x.grad, stage.prev_rank, i)
@@ -310,17 +311,18 @@ def median_run(results: Sequence[dict[str, Any]]) -> list[list[Any]]:
 
 
 class _BackwardEnd(torch.autograd.Function):
-    """Identity; its backward runs last in a stage's backward and pads it to the cost."""
+    """Identity; its backward runs last in a stage's backward and pads it to the cost of
+    the microbatch's rows."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, state: dict) -> torch.Tensor:
-        ctx.state = state
+        ctx.state, ctx.rows = state, x.shape[0]
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         state = ctx.state
-        state["cost"].pad(BACKWARD, state["t0"])
+        state["cost"].pad(BACKWARD, state["t0"], ctx.rows, state["stage"])
         return grad, None
 
 
@@ -341,15 +343,17 @@ class _BackwardStart(torch.autograd.Function):
 class CostPadded(nn.Module):
     """A :class:`Stage` whose forward and backward are padded to a :class:`StageCost`,
     for running it inside a schedule we do not control (torch.distributed.pipelining).
-    The embedding's backward on the first stage is left out of the padding (it is tiny)."""
+    The embedding's backward on the first stage is left out of the padding (it is tiny).
+    Each microbatch is padded to the cost of its own rows (the schedule cuts the batch)."""
 
     def __init__(self, stage: Stage, cost: StageCost) -> None:
         super().__init__()
         self.stage = stage
-        self._state = {"cost": cost, "t0": 0.0}
+        self._state = {"cost": cost, "t0": 0.0, "stage": stage.rank}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
+        rows = x.shape[0]
         st = self.stage
         if st.embed is not None:
             x = st.embed(x)
@@ -358,7 +362,7 @@ class CostPadded(nn.Module):
             x = block(x)
         if st.head is not None:
             x = st.head(x)
-        self._state["cost"].pad(FORWARD, t0)
+        self._state["cost"].pad(FORWARD, t0, rows, st.rank)
         return _BackwardStart.apply(x, self._state)
 
 

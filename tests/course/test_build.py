@@ -108,7 +108,7 @@ def test_outputs_stripped_and_metadata_normalised(tmp_path):
     for target in ("solutions", "exercises"):
         nb = json.loads((tmp_path / target / "99_demo.ipynb").read_text())
         assert nb["metadata"] == {"kernelspec": nbbuild.KERNELSPEC,
-                                  "language_info": {"name": "python"}}
+                                  "language_info": nbbuild.LANGUAGE_INFO}
         assert nb["nbformat"] == 4 and nb["nbformat_minor"] == 5
         for c in nb["cells"]:
             if c["cell_type"] == "code":

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from parlib.course.check import check
-from parlib.course.questions.ch01 import ZERO1_SOLUTION
+from parlib.course.questions.ch01 import ACCUM_SOLUTION, ZERO1_SOLUTION
 from parlib.course.registry import questions
 from tests.helpers.learner_code import learner as define_learner
 
@@ -22,13 +22,10 @@ def learner(src, name):
 GiB = 2**30
 
 
-
-
-
 def test_chapter_has_its_questions():
     ids = set(questions("01"))
     assert {
-        "01.grad_avg",
+        "01.grad_accum",
         "01.zero1_step",
         "01.ring_bytes_model",
         "01.dp_memory",
@@ -70,86 +67,92 @@ def test_choices():
     assert not check("01.overlap", "A").passed
 
 
-# --------------------------------------------------------------------------- gradient averaging
+# --------------------------------------------------------------------------- accumulation
 
-GRAD_AVG_REFERENCE = """
-def average_gradients(model):
-    world = dist.get_world_size()
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad /= world
-"""
 
-GRAD_AVG_MUTANTS = {
-    "no_division": (
-        """
-def average_gradients(model):
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-""",
-        "did you divide by the world size",
+def _acc_mutant(old: str, new: str) -> str:
+    assert ACCUM_SOLUTION.count(old) == 1, f"the reference no longer has {old!r}"
+    return ACCUM_SOLUTION.replace(old, new)
+
+
+ACCUM_MUTANTS = {
+    # all-reduce after every microbatch, no scaling at all
+    "sync_every_microstep": (
+        _acc_mutant(
+            ACCUM_SOLUTION[ACCUM_SOLUTION.index("        loss = "):
+                           ACCUM_SOLUTION.index("    optimizer.step()")],
+            "        loss_fn(model(x), y).backward()\n"
+            "        for p in model.parameters():\n"
+            "            dist.all_reduce(p.grad)\n",
+        ),
+        "Sync once, after the last microbatch",
     ),
-    "rank0_only": (
-        """
-def average_gradients(model):
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        if dist.get_rank() == 0:
-            p.grad /= dist.get_world_size()
-""",
-        "not only rank 0",
+    "no_divide_by_k": (
+        _acc_mutant("loss_fn(model(x), y) / k ", "loss_fn(model(x), y)     "),
+        "divide by k",
     ),
-    "forgot_param": (
-        """
-def average_gradients(model):
-    for p in list(model.parameters())[:-1]:
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-""",
-        "was not averaged",
+    "no_divide_by_N": (_acc_mutant("        p.grad /= N\n", ""), "divide by N"),
+    "no_divide_at_all": (
+        _acc_mutant("        p.grad /= N\n", "").replace("/ k ", "    "),
+        "by k for the microbatches and by N",
     ),
-    "params_not_grads": (
-        """
-def average_gradients(model):
-    for p in model.parameters():
-        dist.all_reduce(p.data)
-        p.data /= dist.get_world_size()
-""",
-        "not on p or p.data",
+    "no_zero_grad": (_acc_mutant("    optimizer.zero_grad()\n", ""), "zero_grad"),
+    "no_sync": (
+        _acc_mutant("        dist.all_reduce(p.grad)", "        pass").replace("/= N", "/= 1"),
+        "as if it never synced",
     ),
-    "params_summed": (
+    "rank_skips_sync": (
+        _acc_mutant(
+            "        dist.all_reduce(p.grad)",
+            "        if dist.get_rank() != 0:\n            dist.all_reduce(p.grad)",
+        ),
+        "same collectives",
+    ),
+    # right numbers, k syncs: scaled per microstep, each microstep reduced on its own
+    "right_numbers_k_syncs": (
         """
-def average_gradients(model):
-    for p in model.parameters():
-        dist.all_reduce(p.data)
+def accumulation_step(model, optimizer, microbatches, loss_fn):
+    k, N = len(microbatches), dist.get_world_size()
+    optimizer.zero_grad()
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for x, y in microbatches:
+        for p in model.parameters():
+            p.grad = None
+        loss_fn(model(x), y).backward()
+        for t, p in zip(total, model.parameters()):
+            dist.all_reduce(p.grad)
+            t += p.grad / (k * N)
+    for t, p in zip(total, model.parameters()):
+        p.grad = t
+    optimizer.step()
 """,
-        "not the parameters",
+        "sync once per step",
     ),
 }
 
 
-def test_grad_avg_accepts_reference():
-    r = check("01.grad_avg", learner(GRAD_AVG_REFERENCE, "average_gradients"))
+def test_accum_accepts_reference():
+    r = check("01.grad_accum", learner(ACCUM_SOLUTION, "accumulation_step"))
     assert r.passed, r
 
 
-@pytest.mark.parametrize("mutant", sorted(GRAD_AVG_MUTANTS))
-def test_grad_avg_rejects_mutant(mutant):
-    src, hint = GRAD_AVG_MUTANTS[mutant]
-    r = check("01.grad_avg", learner(src, "average_gradients"))
+@pytest.mark.parametrize("mutant", sorted(ACCUM_MUTANTS))
+def test_accum_rejects_mutant(mutant):
+    src, hint = ACCUM_MUTANTS[mutant]
+    r = check("01.grad_accum", learner(src, "accumulation_step"))
     assert r.status == "failed", r
     assert hint in r.message, r.message
 
 
-def test_grad_avg_stub_not_attempted():
+def test_accum_stub_not_attempted():
     stub = learner(
         """
-def average_gradients(model):
+def accumulation_step(model, optimizer, microbatches, loss_fn):
     raise NotImplementedError("your code here")
 """,
-        "average_gradients",
+        "accumulation_step",
     )
-    assert check("01.grad_avg", stub).status == "not attempted"
+    assert check("01.grad_accum", stub).status == "not attempted"
 
 
 # --------------------------------------------------------------------------- ZeRO-1

@@ -174,8 +174,9 @@ def test_log_appends_one_json_line_per_check(numq, monkeypatch, tmp_path):
     check("99.nope", 1)
     rows = [json.loads(x) for x in log.read_text().splitlines()]
     assert [r["status"] for r in rows] == ["passed", "not attempted", "error"]
-    assert set(rows[0]) == {"id", "status", "score", "max_score", "message"}
+    assert set(rows[0]) == {"id", "status", "score", "max_score", "message", "answer"}
     assert rows[0]["id"] == "99.num" and rows[0]["score"] == 1
+    assert rows[0]["answer"] == 100 and rows[1]["answer"] == {"__kind__": "ellipsis"}
 
 
 def test_summary_table(numq):

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = ROOT / "solutions" / "00_launching_ranks.ipynb"
 EXERCISE = ROOT / "exercises" / "00_launching_ranks.ipynb"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two kernels and re-checks
 
 
 @pytest.fixture(scope="module")

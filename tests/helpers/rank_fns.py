@@ -109,3 +109,68 @@ def listening_sockets():
     t = torch.ones(1)
     dist.all_reduce(t)  # make sure the group's sockets are all up
     return found
+
+
+def fail_alone(rank):
+    """``rank`` raises; the others return at once (no collective: the group stays sound)."""
+    if dist.get_rank() == rank:
+        raise ZeroDivisionError(f"rank {rank} divided by zero")
+    return dist.get_rank()
+
+
+def _refuse_to_load():
+    raise RuntimeError("this object refuses to be unpickled")
+
+
+class UnloadableResult:
+    """Pickles on the rank, fails to unpickle in the notebook."""
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+def unloadable_result():
+    return UnloadableResult()
+
+
+class BadStr(Exception):
+    def __str__(self):
+        raise TypeError("no str for you")
+
+
+def raise_bad_str():
+    raise BadStr("original message")
+
+
+def partial_then_progress(path):
+    """A partial line, then a \\r progress bar, then a whole line, with pauses between."""
+    import sys
+
+    print("loading...", end="")  # no newline, no flush
+    with open(path, "a") as fh:
+        fh.write(f"partial {time.time()}\n")
+    time.sleep(1.5)
+    for pct in (10, 50):
+        sys.stderr.write(f"\r{pct}%|")
+        with open(path, "a") as fh:
+            fh.write(f"progress{pct} {time.time()}\n")
+        time.sleep(1.5)
+    print(" done")
+    with open(path, "a") as fh:
+        fh.write(f"done {time.time()}\n")
+
+
+def hog_gil_with_child(path):
+    """Start a child process, then hold the GIL in C code (catastrophic regex) forever."""
+    import re
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    with open(path, "a") as fh:
+        fh.write(f"{os.getpid()} {child.pid}\n")
+    re.match(r"(a+)+$", "a" * 64 + "b")
+
+
+def call_with_rank(step):
+    """A self-test: runs the learner's ``step`` (shipped as an argument)."""
+    return step(dist.get_rank())

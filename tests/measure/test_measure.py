@@ -19,7 +19,8 @@ def test_table_text_and_html():
     assert text.splitlines()[0] == "race <1>"
     assert "naive" in text and "140.8" in text and "50.3" in text
     html = t._repr_html_()
-    assert "<table>" in html and "race &lt;1&gt;" in html and "<td>naive</td>" in html
+    assert "<table>" in html and "race &lt;1&gt;" in html
+    assert '<td style="text-align: left">naive</td>' in html and "<td>140.8</td>" in html
     assert t.column("ms") == [140.83, 50.3]
     with pytest.raises(ValueError):
         measure.Table(["a", "b"], [[1]])
@@ -142,3 +143,48 @@ def _commlog_restores_after_error():
 
 def test_commlog_restores_dist_functions_after_an_error():
     assert parlib.launch(_commlog_restores_after_error, world_size=1) == [True]
+
+
+def test_stage_cost_scales_with_rows():
+    from parlib.measure.emulation import StageCost, default_cost
+
+    c = StageCost(0.005, 0.010, 0.001)
+    assert c.duration("forward", 8) == pytest.approx(0.041)
+    assert c.duration("backward", 1) == pytest.approx(0.011)
+    # a microbatch of b rows costs b/B of the batch, plus the per-call time
+    assert c.stage_time(2) - 2 * c.per_call == pytest.approx((c.stage_time(8) - 0.002) / 4)
+    slow = c.with_slow_stage(2, 2.0)
+    assert slow.stage_time(4, 2) == pytest.approx(2 * c.stage_time(4))
+    assert slow.stage_time(4, 1) == pytest.approx(c.stage_time(4))
+    assert "emulated" in slow.describe() and "stage 2 2x slower" in slow.describe()
+    assert default_cost("cuda:0") is None and default_cost("cpu").per_row > 0
+    with pytest.raises(ValueError):
+        StageCost(-1.0)
+
+
+def _commlog_sees_every_spelling():
+    import torch.distributed.distributed_c10d as c10d
+    from torch._C._distributed_c10d import ProcessGroup
+
+    t = torch.ones(4)
+    pg_allreduce = vars(ProcessGroup)["allreduce"]
+    with measure.CommLog(deep=True) as log:
+        c10d.all_reduce(t)  # the function torch.distributed re-exports, called where defined
+        dist.group.WORLD.allreduce([t]).wait()  # straight on the process group
+        if dist.get_rank() == 0:
+            c10d.send(t, 1)
+        else:
+            c10d.recv(t, 0)
+    restored = c10d.all_reduce is dist.all_reduce and vars(ProcessGroup)["allreduce"] is \
+        pg_allreduce
+    with measure.CommLog() as shallow:
+        dist.all_reduce(t)  # still works after the deep patch is undone
+    return [r.op for r in log.records], log.pg_calls, restored, shallow.count("all_reduce")
+
+
+def test_commlog_sees_collectives_however_they_are_called():
+    out = parlib.launch(_commlog_sees_every_spelling, world_size=2)
+    for rank, (ops, pg_calls, restored, after) in enumerate(out):
+        assert ops == ["all_reduce", "send" if rank == 0 else "recv"], ops
+        assert pg_calls == ["all_reduce", "all_reduce", "send" if rank == 0 else "recv"]
+        assert restored and after == 1

@@ -7,6 +7,7 @@ import textwrap
 
 import torch
 
+from parlib.course.answers import plain_data, plain_tensor
 from parlib.course.question_types import (
     Choice,
     Expression,
@@ -180,17 +181,22 @@ def _ring_rank(fn) -> list[dict]:
     fails on any rank (so a later case cannot hide it by hanging or crashing)."""
     import torch.distributed as dist
 
+    from parlib.measure import CommLog
+
     rank, world = dist.get_rank(), dist.get_world_size()
     reports = []
     for case, n in enumerate(_lengths(world)):
         inputs = [_case_input(world, case, r, n) for r in range(world)]
         given = inputs[rank].clone()
-        out = fn(given)
+        with CommLog(deep=True) as log:  # sees collectives however they are called
+            out = fn(given)
         if isinstance(out, torch.Tensor):
-            out = out.detach().clone()
+            plain = plain_tensor(out)  # a subclass's own methods never judge the result
+            out = plain if plain is not None else f"<{type(out).__name__}>"
         elif out is not None:
             out = f"<{type(out).__name__}>"
-        reports.append({"n": n, "out": out, "after": given})
+        reports.append({"n": n, "out": out, "after": plain_tensor(given),
+                        "ops": sorted(set(log.pg_calls))})
         ok = (_diagnose(rank, world, inputs, reports[-1]) is None
               and torch.equal(given, inputs[rank]))
         if world > 1:
@@ -265,7 +271,7 @@ def _grade_ring(fn) -> None:
     from parlib.runtime import launch
 
     for world in (1, 2, 3, 4):
-        results = launch(_ring_rank, fn, world_size=world, timeout=current_timeout())
+        results = plain_data(launch(_ring_rank, fn, world_size=world, timeout=current_timeout()))
         for case, n in enumerate(_lengths(world)):
             if any(case >= len(results[r]) for r in range(world)):
                 break
@@ -292,6 +298,25 @@ def _grade_ring(fn) -> None:
                         f"changed; work on a copy (out = tensor.clone()) and leave the "
                         f"input as it was"
                     )
+            problem = _p2p_problem(world, [results[r][case]["ops"] for r in range(world)])
+            if problem:
+                raise CheckFailed(f"{where}: the sum is right, but {problem}")
+
+
+_P2P_OPS = {"send", "recv", "barrier"}
+
+
+def _p2p_problem(world: int, ops_per_rank: list[list[str]]) -> str | None:
+    """The ring must move its data with send/recv only; None when it did."""
+    for r, ops in enumerate(ops_per_rank):
+        other = sorted(set(ops) - _P2P_OPS)
+        if other:
+            return (f"rank {r} called the collective {other[0]}: this exercise builds the "
+                    f"all-reduce itself, with dist.send and dist.recv only")
+        if world > 1 and not {"send", "recv"} <= set(ops):
+            return (f"rank {r} sent or received nothing: a rank can only learn the others' "
+                    f"tensors through dist.send / dist.recv")
+    return None
 
 
 # The worked answer's code, written once: the working shows it and the tests derive their
@@ -328,6 +353,10 @@ register(Implementation(
     "00.ring_all_reduce",
     _grade_ring,
     timeout=20.0,
+    timeout_hint="a send with no matching recv (or a recv with no matching send) blocks "
+                 "forever: check that each rank sends to (rank + 1) % N and receives from "
+                 "(rank - 1) % N, and that sends and receives are ordered so that "
+                 "neighbours do not both wait",
     prompt="""
         Write ring_all_reduce(tensor) -> torch.Tensor using only dist.send and dist.recv.
         It returns a new tensor holding the element-wise sum of `tensor` over all ranks, on

@@ -10,7 +10,7 @@ import torch
 from parlib.course.question_types import Choice, Implementation, Numeric, current_timeout
 from parlib.course.registry import register
 from parlib.course.results import CheckFailed
-from parlib.verify import ATOL, RTOL, close, max_abs_diff, reference_params, reference_step
+from parlib.verify import ATOL, RTOL, close
 
 GiB = 2**30
 
@@ -214,190 +214,220 @@ def _names(model) -> list[str]:
     return [n for n, _ in model.named_parameters()]
 
 
-def _reference_grads() -> list[torch.Tensor]:
-    """Single-device gradients of step 0 on the full batch (the average the ranks want)."""
-    return list(reference_step(_cfg(), seed=_SEED, batch_size=_BATCH)["grads"].values())
+# ---- gradient accumulation with one sync
+
+_ACC_MICRO = 3  # microbatches per step, k
+_ACC_ROWS = 2   # rows per microbatch, b
+_ACC_STEPS = 2
+_ACC_WORLDS = (2, 4)
 
 
-def _grad_avg_rank(fn) -> dict:
-    """On each rank: _STEPS steps of SGD with the learner's gradient averaging."""
+def _acc_batch(world: int) -> int:
+    """Global batch B = b x k x N."""
+    return _ACC_ROWS * _ACC_MICRO * world
+
+
+def _acc_rank(fn) -> dict:
+    """On each rank: _ACC_STEPS calls of the learner's accumulation step (plain SGD), with
+    this rank's B/N rows cut into k microbatches. Records the gradient each step applied
+    (parameters before and after) and the bytes all-reduced."""
+    import torch.distributed as dist
+
+    from parlib.measure import CommLog
     from parlib.model import build_model, loss_fn
     from parlib.strategies import data as dp
 
+    world = dist.get_world_size()
     model = build_model(_cfg(), _SEED)
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=_LR)
-    report: dict = {}
-    for step in range(_STEPS):
-        opt.zero_grad(set_to_none=True)
-        x, y = dp.local_batch(_BATCH, _cfg(), step, _SEED)
-        loss_fn(model(x), y).backward()
-        if step == 0:
-            local = [p.grad.clone() for p in params]
-            before = [p.detach().clone() for p in params]
-        fn(model)
-        if step == 0:
-            report["local"] = local
-            report["grads"] = [None if p.grad is None else p.grad.detach().clone() for p in params]
-            report["changed"] = [not torch.equal(p.detach(), b) for p, b in zip(params, before)]
-        opt.step()
-    report["final"] = [p.detach().clone() for p in params]
+    report: dict = {"before": [], "after": [], "reduced_bytes": [],
+                    "grad_bytes": sum(p.numel() * p.element_size() for p in params)}
+    for step in range(_ACC_STEPS):
+        x, y = dp.local_batch(_acc_batch(world), _cfg(), step, _SEED)
+        micro = list(zip(x.chunk(_ACC_MICRO), y.chunk(_ACC_MICRO)))
+        before = [p.detach().clone() for p in params]
+        with CommLog() as log:
+            fn(model, opt, micro, loss_fn)
+        report["reduced_bytes"].append(sum(r.nbytes for r in log.records if r.op == "all_reduce"))
+        report["before"].append(before)
+        report["after"].append([p.detach().clone() for p in params])
     return report
 
 
-def _diagnose_grad_avg(
-    results: list[dict], world: int, names: list[str], expected: list[torch.Tensor]
-) -> str | None:
-    where = f"on {world} ranks"
+def _local_acc_grads(world: int) -> list[list[torch.Tensor]]:
+    """Step 0's gradient of each rank's own b x k rows alone: what a rank that never syncs
+    applies."""
+    from parlib.model import build_model, loss_fn
+    from parlib.strategies import data as dp
+
+    out = []
+    for rank in range(world):
+        model = build_model(_cfg(), _SEED)
+        x, y = dp.local_batch(_acc_batch(world), _cfg(), 0, _SEED, rank=rank, world_size=world)
+        loss_fn(model(x), y).backward()
+        out.append([p.grad.clone() for p in model.parameters()])
+    return out
+
+
+def _expected_acc_grads(world: int) -> list[list[torch.Tensor]]:
+    """Single-device SGD on the full batch B = b x k x N: the gradient applied each step."""
+    from parlib.model import build_model, loss_fn, make_batch
+
+    model = build_model(_cfg(), _SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=_LR)
+    grads = []
+    for step in range(_ACC_STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = make_batch(_acc_batch(world), _cfg(), step, _SEED)
+        loss_fn(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads
+
+
+def _stepped(before: list[torch.Tensor], after: list[torch.Tensor], grads: list[torch.Tensor],
+             scale: float = 1.0) -> bool:
+    """Did SGD step from ``before`` to ``after`` with ``scale`` x ``grads``? (Compared in
+    parameter space, where fp32 rounding is small.)"""
+    return all(close(a, b - _LR * scale * g) for a, b, g in zip(after, before, grads))
+
+
+def _diagnose_acc(results: list[dict], world: int, expected: list[list[torch.Tensor]],
+                  local: list[list[torch.Tensor]]) -> str | None:
+    k = _ACC_MICRO
+    where = f"on {world} ranks with k = {k} microbatches"
+    grad_bytes = results[0]["grad_bytes"]
+    for step in range(_ACC_STEPS):
+        want = expected[step]
+        for r, res in enumerate(results):
+            before, after = res["before"][step], res["after"][step]
+            if _stepped(before, after, want):
+                continue
+            if step == 1 and _stepped(before, after,
+                                      [w + e0 for w, e0 in zip(want, expected[0])]):
+                return (f"{where}: step 1 was right, but step 2 applied step 1's gradient "
+                        f"as well. Zero the gradients (optimizer.zero_grad()) at the start "
+                        f"of each step: backward adds into p.grad")
+            if res["reduced_bytes"][step] > 1.5 * grad_bytes:
+                times = res["reduced_bytes"][step] / grad_bytes
+                return (f"{where}: rank {r} all-reduced {times:.1f} times its gradient "
+                        f"bytes in one step, and its update is wrong. Sync once, after the "
+                        f"last microbatch: an all-reduce inside the loop sums gradients that "
+                        f"were already summed, and pays the communication k times")
+            if _stepped(before, after, want, k):
+                return (f"{where}: rank {r} applied {k} x the full-batch gradient. backward() "
+                        f"adds each microbatch's gradient into p.grad, so after k microbatches "
+                        f"p.grad holds a sum of k means: divide by k (or scale each "
+                        f"microbatch's loss by 1/k)")
+            if _stepped(before, after, want, world):
+                return (f"{where}: rank {r} applied {world} x the full-batch gradient. "
+                        f"all_reduce sums over the ranks: divide by N = dist.get_world_size()")
+            if _stepped(before, after, want, world * k):
+                return (f"{where}: rank {r} applied {world * k} = N x k times the full-batch "
+                        f"gradient: divide by k for the microbatches and by N for the ranks")
+            if step == 0 and any(_stepped(before, after, local[r], s) for s in (1.0, k)):
+                return (f"{where}: rank {r} stepped with its own rows' gradient only, as "
+                        f"if it never synced. After the last microbatch all-reduce every "
+                        f"p.grad and divide by N, on every rank")
+            if res["reduced_bytes"][step] == 0:
+                return (f"{where}: rank {r} made no all_reduce call. Sync the accumulated "
+                        f"gradients once per step with dist.all_reduce")
+            return (f"{where}: after step {step + 1} rank {r}'s parameters are not those of "
+                    f"full-batch SGD. Accumulate k backward passes, all-reduce once, divide "
+                    f"by k x N, then optimizer.step()")
     for r, res in enumerate(results):
-        for name, changed in zip(names, res["changed"]):
-            if changed:
-                return (
-                    f"{where}: your function changed the values of parameter {name!r} on "
-                    f"rank {r}. Average the gradients (p.grad), not the parameters "
-                    f"(p or p.data); the optimizer applies the update afterwards"
-                )
-    status: list[list[str]] = []  # per rank, per parameter: ok / times_n / local / none / other
-    for res in results:
-        row = []
-        for g, e, loc in zip(res["grads"], expected, res["local"]):
-            if g is None:
-                row.append("none")
-            elif close(g, e):
-                row.append("ok")
-            elif close(g, world * e):
-                row.append("times_n")
-            elif close(g, loc):
-                row.append("local")
-            else:
-                row.append("other")
-        status.append(row)
-    if all(s == "ok" for row in status for s in row):
-        return None
-    # Judge the patterns on parameters whose gradient is clearly non-zero (attention's key
-    # bias, for one, has an exactly-zero true gradient, so any multiple of it looks right).
-    sig = [e.abs().max().item() > 1e-4 for e in expected]
-
-    def only(row: list[str], kind: str) -> bool:
-        return all(s == kind for s, keep in zip(row, sig) if keep)
-
-    if all(s == "ok" for s in status[0]):
-        for r in range(1, world):
-            if only(status[r], "times_n"):
-                return (
-                    f"{where}: rank 0 holds the average, but rank {r}'s gradients are "
-                    f"{world} times too big. Every rank must divide by the world size, "
-                    f"not only rank 0: each rank uses its own gradients in its own "
-                    f"optimizer step"
-                )
-    for r, row in enumerate(status):
-        if "none" in row:
-            name = names[row.index("none")]
-            return (
-                f"{where}: after your function, parameter {name!r} on rank {r} has no "
-                f"gradient (p.grad is None). Average p.grad in place, or assign the "
-                f"average back to p.grad"
-            )
-    if all(only(row, "times_n") for row in status):
-        return (
-            f"{where}: rank 0's gradient for {names[0]!r} is {world} times the "
-            f"single-device gradient. all_reduce sums; did you divide by the world "
-            f"size (dist.get_world_size()) afterwards?"
-        )
-    if all(only(row, "local") for row in status):
-        return (
-            f"{where}: every gradient still holds its rank's local value, as if nothing "
-            f"was averaged. Call dist.all_reduce on each p.grad (not on p or p.data), "
-            f"then divide it by the world size"
-        )
-    for r, row in enumerate(status):
-        if "local" in row and "ok" in row:
-            missing = [names[i] for i, s in enumerate(row) if s == "local"]
-            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            return (
-                f"{where}: parameter {missing[0]!r}{more} was not averaged on rank {r}: "
-                f"it still holds that rank's local gradient. Loop over every parameter "
-                f"in model.parameters()"
-            )
-    for r, row in enumerate(status):
-        for i, s in enumerate(row):
-            if s != "ok":
-                g, e = results[r]["grads"][i], expected[i]
-                if g.shape != e.shape:
-                    return (
-                        f"{where}: rank {r}'s gradient for {names[i]!r} has shape "
-                        f"{tuple(g.shape)}, expected {tuple(e.shape)}"
-                    )
-                ratio = (g.flatten() @ e.flatten() / (e.flatten() @ e.flatten())).item()
-                return (
-                    f"{where}: rank {r}'s gradient for {names[i]!r} is not the average "
-                    f"of the ranks' gradients (it is about {ratio:.3g} x the average, "
-                    f"largest error {(g - e).abs().max().item():.3g}). Sum with "
-                    f"dist.all_reduce, then divide by the world size"
-                )
+        for step in range(_ACC_STEPS):
+            if res["reduced_bytes"][step] > 1.5 * grad_bytes:
+                return (f"{where}: the numbers are right, but rank {r} all-reduced "
+                        f"{res['reduced_bytes'][step] / grad_bytes:.1f} x its gradient bytes "
+                        f"in one step. Accumulate locally and sync once per step: that is the "
+                        f"point of accumulation (DDP's no_sync)")
     return None
 
 
-def _grade_grad_avg(fn) -> None:
-    from parlib.model import build_model
-    from parlib.runtime import launch
+_ACC_ORDER_HINT = (
+    "your function did not finish on every rank{t} ({where}). Every rank must issue the same "
+    "collectives, on tensors of the same size, in the same order: a rank that skips a sync "
+    "(or syncs a different parameter, or one time more) leaves its peers waiting in "
+    "all_reduce for ever"
+)
 
-    names = _names(build_model(_cfg(), _SEED))
-    expected = _reference_grads()
-    final = reference_params(_cfg(), steps=_STEPS, global_batch=_BATCH, seed=_SEED, lr=_LR)
-    for world in _WORLDS:
-        results = launch(
-            _grad_avg_rank, fn, world_size=world, backend="gloo", timeout=current_timeout()
-        )
-        problem = _diagnose_grad_avg(results, world, names, expected)
+
+def _grade_acc(fn) -> None:
+    from parlib.runtime import RankError, launch
+
+    for world in _ACC_WORLDS:
+        expected, local = _expected_acc_grads(world), _local_acc_grads(world)
+        try:
+            results = launch(_acc_rank, fn, world_size=world, backend="gloo",
+                             timeout=current_timeout())
+        except RankError as err:
+            kind = (err.exc_type or "").lower()
+            text = f"{err} {err.remote_traceback or ''}".lower()
+            # A hang, or a peer's collective torn down: the ranks' collectives did not match.
+            stuck = kind in ("timeout", "timeouterror", "exited") or any(
+                w in text for w in ("connection closed", "connection reset", "gloo",
+                                    "broken pipe", "sigabrt"))
+            if stuck and kind != "notimplementederror":
+                t = f" after {current_timeout():g} s" if kind.startswith("timeout") else ""
+                where = f"rank {err.rank} stopped first" if err.rank is not None else \
+                    f"{world} ranks"
+                raise CheckFailed(_ACC_ORDER_HINT.format(t=t, where=where)) from None
+            raise
+        problem = _diagnose_acc(results, world, expected, local)
         if problem:
             raise CheckFailed(problem)
-        for r, res in enumerate(results):
-            err = max_abs_diff(res["final"], final)
-            if err > 1e-5:
-                raise CheckFailed(
-                    f"on {world} ranks: the first step was right, but after {_STEPS} SGD steps "
-                    f"rank {r}'s parameters differ from single-device training by {err:.3g}. "
-                    f"Does your function keep state between calls? It must average the "
-                    f"gradients afresh every step"
-                )
+
+
+# The worked answer's code, written once: the working shows it and the tests derive their
+# wrong answers from it.
+ACCUM_SOLUTION = """\
+def accumulation_step(model, optimizer, microbatches, loss_fn):
+    k, N = len(microbatches), dist.get_world_size()
+    optimizer.zero_grad()
+    for x, y in microbatches:
+        loss = loss_fn(model(x), y) / k        # mean over b rows, / k: mean over b x k
+        loss.backward()                        # adds into p.grad; no communication
+    for p in model.parameters():
+        dist.all_reduce(p.grad)                # one sync per step, after the last microbatch
+        p.grad /= N
+    optimizer.step()
+"""
 
 
 register(
     Implementation(
-        "01.grad_avg",
-        _grade_grad_avg,
-        timeout=30.0,
+        "01.grad_accum",
+        _grade_acc,
+        timeout=120.0,
         prompt="""
-        Write average_gradients(model) -> None. After loss.backward() on each rank's share
-        of the batch, it must leave in every parameter's .grad the average of that gradient
-        over all ranks, on every rank, using dist.all_reduce. Checked on 2 and 4 ranks: the
-        gradients after one call must equal the single-device gradients of the full batch
-        (rtol 1e-4), and 3 SGD steps must give the single-device parameters (1e-5).
+        Write accumulation_step(model, optimizer, microbatches, loss_fn) -> None: one
+        data-parallel training step with gradient accumulation. `microbatches` is this rank's
+        list of k (x, y) pairs of b rows each; loss_fn(model(x), y) is the mean loss over
+        those b rows. Accumulate the k backward passes, sync the gradients ONCE with
+        dist.all_reduce, and call optimizer.step(), so that the step equals single-device SGD
+        on the global batch of B = b x k x N rows. Checked on 2 and 4 ranks with k = 3, b = 2,
+        over 2 steps (rtol 1e-4); the check also counts the bytes you all-reduce.
     """,
-        working="""
-        The mean loss over the full batch B is the mean of the N ranks' mean losses over
-        their B/N rows, so the full-batch gradient is the average of the ranks' gradients:
-        sum them with an all-reduce, then divide by N, on every rank.
-
-        ```python
-        def average_gradients(model):
-            world = dist.get_world_size()
-            for p in model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad)   # sum over ranks, in place, on every rank
-                    p.grad /= world           # every rank divides
-        ```
-
-        Four ways to get it wrong, each caught by the check: not dividing (gradients N times
-        too big: SGD takes N-times-too-long steps), dividing on rank 0 only (the copies
-        drift apart after one step), skipping a parameter (its copies drift apart), and
-        all-reducing the parameters instead of the gradients (the parameters are already
-        equal, so nothing changes, and each rank steps with its local gradient). All ranks
-        must call all_reduce on the same tensors in the same order.
-    """,
+        working=textwrap.dedent("""
+        The full-batch loss is the mean over B = b x k x N rows: the mean over ranks of the
+        mean over microbatches of each microbatch's mean. backward() *adds* into p.grad, so
+        after k microbatches p.grad holds a sum of k means: divide by k (scaling each loss by
+        1/k does it on the way). The all-reduce sums over the N ranks: divide by N. Sync once,
+        after the last microbatch: the bytes per step are those of one all-reduce whatever k
+        is, so accumulation buys k times the compute per sync (DDP does this with `no_sync()`
+        on the first k-1 microbatches).
+    """).strip() + "\n\n```python\n" + ACCUM_SOLUTION + "```\n\n" + textwrap.dedent("""
+        Ways to get it wrong, each caught by the check: all-reducing inside the loop (it
+        re-sums gradients that were already summed, and pays k syncs), forgetting 1/k or
+        1/N (steps k or N times too long under SGD), forgetting zero_grad (step 2 adds
+        step 1's gradient), and a rank that skips the sync: its peers wait in all_reduce,
+        because every rank must issue the same collectives in the same order.
+    """).strip(),
     )
 )
+
 
 # ---- ZeRO-1 step
 
@@ -525,8 +555,9 @@ def _diagnose_zero1(
         return (
             f"{where}: your numbers are right, but you used all_reduce. ZeRO-1 "
             f"reduce-scatters the gradients, so each rank receives only the slice it "
-            f"steps ((N-1)/N of the bytes of an all-reduce, and no full averaged gradient "
-            f"in memory); use dp.reduce_scatter (or dist.reduce_scatter_tensor)"
+            f"steps: half the bytes of an all-reduce (a ring all-reduce is a "
+            f"reduce-scatter then an all-gather), and no full averaged gradient in memory. "
+            f"Use dp.reduce_scatter (or dist.reduce_scatter_tensor)"
         )
     return None
 
@@ -576,7 +607,7 @@ register(
     Implementation(
         "01.zero1_step",
         _grade_zero1,
-        timeout=30.0,
+        timeout=120.0,
         prompt="""
         Write zero1_step(params, shard, optimizer) -> None, one ZeRO-1 optimizer step after
         loss.backward(). `params` is the model's parameter list (same order on every rank,

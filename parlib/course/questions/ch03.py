@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from parlib.cost import bubble_fraction
+from parlib.cost import bubble_fraction, min_microbatches, predicted_sent_bytes
 from parlib.course.question_types import Choice, Implementation, Numeric, current_timeout
 from parlib.course.registry import register
 from parlib.course.results import CheckFailed
@@ -68,9 +68,12 @@ register(Numeric(
     },
 ))
 
+# "the bubble under 10%" read as the other definition, bubble / ideal time = (p-1)/m
+_MIN_M_RELATIVE = min_microbatches(8, 0.1 - 1e-9, relative=True)
+
 register(Numeric(
     "03.min_microbatches",
-    64,
+    min_microbatches(8, 0.1 - 1e-9),
     rtol=0.0,
     atol=0.0,
     unit="microbatches",
@@ -80,7 +83,9 @@ register(Numeric(
         Give a whole number.
     """,
     working="""
-        Solve (p - 1) / (m + p - 1) < 0.1 with p = 8:
+        The bubble here is the idle fraction **of the step**, (p - 1) / (m + p - 1) (not the
+        bubble relative to the ideal time, (p - 1) / m). Solve
+        (p - 1) / (m + p - 1) < 0.1 with p = 8:
 
         7 / (m + 7) < 0.1  <=>  m + 7 > 70  <=>  m > 63, so **m = 64**.
 
@@ -91,7 +96,9 @@ register(Numeric(
     mistakes={
         63: "with m = 63 the bubble is 7/70 = 0.1 exactly, not under it",
         70: "70 is m + p - 1; subtract p - 1 = 7",
-        71: "7 / (m + 7) < 0.1 gives m > 63",
+        _MIN_M_RELATIVE: "that solves (p-1)/m < 0.1, the bubble relative to the ideal "
+                         "(bubble-free) time; this question uses the fraction of the whole "
+                         "step, (p-1)/(m+p-1) < 0.1",
         7: "7 = p - 1 is the number of fill/drain slots, not the microbatches needed",
     },
 ))
@@ -108,9 +115,10 @@ register(Numeric(
     """,
     working="""
         GPipe runs every forward before any backward, so all m = **8** microbatches have
-        saved their activations when the first backward starts. The peak grows with m:
-        more microbatches shrink the bubble but hold more activations (in bytes, the whole
-        batch's activations, whatever m is).
+        saved their activations when the first backward starts: the peak, counted in
+        microbatches, is m. In bytes it depends on how the batch is cut: with the batch
+        fixed, m microbatches of B/m rows add up to the whole batch's activations for any
+        m; with the microbatch size fixed (the usual way to grow m), the bytes grow with m.
     """,
     mistakes={
         4: "that is 1F1B's peak on rank 0; GPipe starts no backward until all forwards ran",
@@ -209,6 +217,47 @@ register(Choice(
         "C": "the bubble appears in the timelines even with instant links: it is stages "
              "waiting for work, not for bytes",
         "D": "a pipeline alone has no all-reduce; the bubble is the pipe filling and draining",
+    },
+))
+
+_P_DP, _D_DP, _PARAMS_DP = 4, 2, 8_000_000_000
+_DP_BYTES = predicted_sent_bytes("all_reduce", 4 * _PARAMS_DP / _P_DP, _D_DP)
+register(Choice(
+    "03.dp_pp_sync",
+    "C",
+    options={
+        "A": "After every microbatch's backward, all 8 ranks all-reduce all their gradients.",
+        "B": "Once per step, all 8 ranks all-reduce the whole model's gradients together.",
+        "C": "Once per step, after the flush: each stage all-reduces its own gradients with "
+             "the same stage of the other copy (4 groups of 2 ranks, each 1/4 of the "
+             "parameters).",
+        "D": "Never: the pipeline's send and recv already carry the gradients between the "
+             "copies.",
+    },
+    prompt="""
+        You run d = 2 copies of a p = 4 stage pipeline on 8 ranks (data parallelism on top
+        of pipeline parallelism). When, and between which ranks, are the gradients
+        averaged? Give one letter.
+    """,
+    working=f"""
+        **C**. Stage i of both copies holds the same layers, so only those two ranks share
+        parameters: they form a data-parallel group of d = 2 ranks, one group per stage.
+        A stage's gradients are complete only after the flush, when the last microbatch's
+        backward has run on it; syncing after each microbatch (A) would send them m times.
+        Each group all-reduces 1/p of the parameters. For a model of P = 8e9 parameters
+        with fp32 gradients, a rank sends 2(d-1)/d x 4 bytes x P/p = {_DP_BYTES:,.0f}
+        bytes per step: 1/p of what plain data parallelism on the whole model sends. A
+        stage can start its all-reduce as soon as its own last backward ends, overlapping
+        the drain of the stages before it. The pipeline's messages (D) carry activations and their
+        gradients between stages of one copy, never parameter gradients between copies.
+    """,
+    hints={
+        "A": "a stage's gradients accumulate over the m microbatches: they are complete "
+             "only after the last backward of the step",
+        "B": "only ranks that hold the same layers share parameters: which ranks hold "
+             "stage 2's layers?",
+        "D": "send and recv in a pipeline move activations and their gradients along one "
+             "copy; which ranks hold the same parameters?",
     },
 ))
 

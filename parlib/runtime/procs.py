@@ -1,0 +1,175 @@
+"""Rank processes as the operating system sees them: ending them for sure, and leaving no
+temp folder behind.
+
+- Each rank leads its own process group, so killing the group also ends the rank's children.
+- A process is named by (pid, start time): a pid reused by a new process is never killed.
+- Temp folders are named ``parlib-<pid>-<start time>-...`` after the kernel that made them,
+  so a folder left by a killed kernel is recognised as stale and removed on the next start.
+- Interrupts are held back while ranks are being killed, then re-raised.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import types
+from collections.abc import Iterator
+
+PREFIX = "parlib-"
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def is_alive(pid: int, started: int | None = None) -> bool:
+    """True if ``pid`` runs (not a zombie) and, when given, started at ``started``."""
+    if not os.path.exists("/proc/self/stat"):  # no /proc (macOS): best effort
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+    now = start_time(pid)
+    return now is not None and (started is None or now == started)
+
+
+def kill_tree(pid: int, started: int | None) -> None:
+    """SIGKILL the rank's process group (the rank and its children), or the rank alone."""
+    if not is_alive(pid, started) and started is not None:
+        # The rank is gone; its children may live on in its group (pgid = its pid).
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        return
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+            return
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _my_tag() -> str:
+    return f"{PREFIX}{os.getpid()}-{start_time(os.getpid()) or 0}-"
+
+
+def make_temp_dir(kind: str) -> str:
+    """A private temp folder named after this process (see the module docstring)."""
+    return tempfile.mkdtemp(prefix=f"{_my_tag()}{kind}-")
+
+
+def remove_stale_temp_dirs(owner_pid: int | None = None) -> list[str]:
+    """Remove ``parlib-<pid>-<start>-*`` folders whose process is gone (or, with
+    ``owner_pid``, every folder of that pid). Returns what was removed."""
+    root = tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if not name.startswith(PREFIX) or len(parts) < 4:
+            continue
+        try:
+            pid, started = int(parts[1]), int(parts[2])
+        except ValueError:
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if (owner_pid is not None and pid == owner_pid) or (
+            owner_pid is None and not is_alive(pid, started or None)
+        ):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+_mp_dir_done = False
+
+
+def own_multiprocessing_temp_dir() -> None:
+    """Make multiprocessing put its forkserver socket in a parlib folder named after this
+    process (instead of an anonymous ``pymp-*`` that a killed kernel leaves behind)."""
+    global _mp_dir_done
+    if _mp_dir_done:
+        return
+    _mp_dir_done = True
+    from multiprocessing import process
+
+    config = process.current_process()._config  # noqa: SLF001 - documented in util.get_temp_dir
+    if config.get("tempdir") is None:
+        path = make_temp_dir("mp")
+        config["tempdir"] = path
+        atexit.register(shutil.rmtree, path, True)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold back SIGINT inside the block (so a kill is never cut short); re-raise after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except (ValueError, OSError):
+        yield
+        return
+    received: list[int] = []
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    except (ValueError, OSError, TypeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def main_module_hidden() -> Iterator[None]:
+    """Start processes without telling them the main module's path.
+
+    multiprocessing makes each new process re-import the main script (as ``__mp_main__``)
+    so that functions defined there can be unpickled; parlib ships functions by value, so a
+    script that calls ``parlib.launch`` at module level without ``if __name__ ==
+    "__main__":`` would otherwise run again inside every rank.
+    """
+    real = sys.modules.get("__main__")
+    stand_in = types.ModuleType("__main__")
+    stand_in.__spec__ = None
+    sys.modules["__main__"] = stand_in
+    try:
+        yield
+    finally:
+        if real is not None:
+            sys.modules["__main__"] = real
+
+
+__all__ = [
+    "interrupts_deferred", "is_alive", "kill_tree", "main_module_hidden", "make_temp_dir",
+    "own_multiprocessing_temp_dir", "remove_stale_temp_dirs", "start_time",
+]

@@ -1,0 +1,153 @@
+"""How a call that went wrong is stopped: a rank that died while idle, a rank failing
+while others run, a kernel interrupt, a timeout. Ranks still running Python code get
+``KeyboardInterrupt`` (SIGUSR2) and the group is kept; ranks that do not stop (stuck in C++
+code such as a collective) are killed, and the error says what was lost.
+
+:class:`Stopping` is a part of :class:`parlib.runtime.group.RankGroup`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from parlib.runtime.errors import (
+    RankError,
+    RanksInterrupted,
+    annotate_stack,
+    format_ranks,
+    where_text,
+)
+
+SETTLE_S = 0.5  # after a rank fails, how long the others get to finish or fail too
+INTERRUPT_GRACE_S = 1.0  # how long an interrupted rank gets to stop in Python code
+
+
+class Stopping:
+    """Stopping ranks after a failure or an interrupt (needs RankGroup's state)."""
+
+    def _raise_dead_idle(self, dead: list[int]) -> None:
+        __tracebackhide__ = True
+        reports = [self._death_report(r) for r in sorted(set(dead))]
+        self.kill()
+        message = reports[0]["message"] + " while it was idle"
+        raise RankError(message + "\n" + self._lost_note("a rank process ended"),
+                        rank=reports[0]["rank"], exc_type="Exited")
+
+    def _lost_note(self, why: str) -> str:
+        if self.warm:
+            return (f"({why}: every rank was stopped; the ranks restart on the next call and "
+                    "variables defined on them are lost)")
+        return f"({why}: every rank was stopped)"
+
+    def _interrupt(self, ranks: list[int], kind: str, replies: dict, errors: list, dead: set,
+                   grace: float) -> list[int]:
+        """Send each rank KeyboardInterrupt (SIGUSR2); return those that stopped in time."""
+        for r in ranks:
+            try:
+                os.kill(self.ids[r][0], signal.SIGUSR2)
+            except OSError:
+                pass
+
+        def answered(r: int) -> bool:
+            return r in replies or r in dead or any(e["rank"] == r for e in errors)
+
+        self._pump(kind, replies, errors, dead, time.monotonic() + grace,
+                   lambda: all(answered(r) for r in ranks))
+        return [r for r in ranks if answered(r) and r not in dead]
+
+    def _interrupted(self, kind: str, replies: dict, errors: list, dead: set) -> None:
+        """The kernel was interrupted: stop each rank's code, keep the ranks if they can."""
+        __tracebackhide__ = True
+        running = [r for r in range(self.world_size) if r not in replies and r not in dead
+                   and not any(e["rank"] == r for e in errors)]
+        stopped: list[int] = []
+        try:
+            if kind == "ok":
+                stopped = self._interrupt(running, kind, replies, errors, dead,
+                                          INTERRUPT_GRACE_S)
+        except KeyboardInterrupt:  # a second interrupt: no more waiting
+            pass
+        stuck = [r for r in running if r not in stopped]
+        stacks = self._stacks(stuck) if stuck and kind == "ok" else ""
+        lines = []
+        for e in sorted(errors, key=lambda e: e["rank"]):
+            if e["rank"] in stopped:
+                lines.append(f"  rank {e['rank']} was at "
+                             f"{where_text(e['frames'], self._code_index)}")
+        self.output.drain()
+        self.output.flush_partials(0.0)
+        if stuck or dead or kind != "ok":
+            self.kill()
+            why = (f"rank(s) {format_ranks(stuck)} did not stop (stuck in C++ code, e.g. "
+                   "waiting in a collective)" if stuck else "start-up was cut short")
+            head = (f"interrupted: ranks {format_ranks(list(range(self.world_size)))} "
+                    f"stopped\n{self._lost_note(why)}")
+        else:
+            head = f"interrupted: ranks {format_ranks(running or [])} stopped"
+            if self.warm:
+                head += "; the ranks and their variables are kept"
+        raise RanksInterrupted("\n".join([head, *lines]), stacks) from None
+
+    def _death_report(self, rank: int) -> dict[str, Any]:
+        code = self.procs[rank].exitcode
+        if code is not None and code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            message = f"rank {rank} was killed by {name}"
+        else:
+            message = f"rank {rank} exited with code {code} before it returned"
+        return {"rank": rank, "exc_type": "Exited", "message": message, "frames": [],
+                "time": time.time(), "echo": False}
+
+    def _raise_timeout(self, kind: str, replies: dict, errors: list, dead: set,
+                       deadline: float) -> None:
+        __tracebackhide__ = True
+        stuck = [r for r in range(self.world_size) if r not in replies]
+        stacks = self._stacks(stuck)
+        done = sorted(replies)
+        hint = ""
+        if done:
+            hint = (
+                f" Rank(s) {format_ranks(done)} finished while rank(s) "
+                f"{format_ranks(stuck)} were still waiting: did every rank call the same "
+                "collectives, and does every recv have a matching send?"
+            )
+        stopped = self._interrupt(stuck, kind, replies, errors, dead, SETTLE_S) \
+            if kind == "ok" else []
+        kept = len(stopped) == len(stuck)
+        if not kept:
+            self.kill()
+        note = ("(every rank was stopped in Python code; the ranks and their variables are "
+                "kept)" if kept and self.warm else "" if kept else self._lost_note("timeout"))
+        raise RankError(
+            f"rank(s) {format_ranks(stuck)} did not finish within {self._limit_s:.3g} s; "
+            f"they were stopped.{hint}\n{note}".rstrip(),
+            rank=stuck[0], exc_type="Timeout", remote_traceback=stacks, kept=kept,
+        )
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """Ask hung ranks where they are (faulthandler on SIGUSR1) before killing them."""
+        for r in ranks:
+            try:
+                os.kill(self.ids[r][0], signal.SIGUSR1)
+            except OSError:
+                pass
+        time.sleep(0.2)
+        parts = []
+        for r in ranks:
+            try:
+                with open(os.path.join(self._tmp, f"stack{r}.txt")) as fh:
+                    text = fh.read().strip()
+            except OSError:
+                text = ""
+            if text:
+                parts.append(f"rank {r} was here when stopped:\n" + annotate_stack(text))
+        return "\n\n".join(parts)
+
+
+__all__ = ["INTERRUPT_GRACE_S", "SETTLE_S", "Stopping"]
