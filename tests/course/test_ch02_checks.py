@@ -7,7 +7,7 @@ import pytest
 
 from parlib.cost.tensor import tp_sent_bytes_per_layer
 from parlib.course.check import check, explain
-from parlib.course.questions.ch02 import F_AND_G_SOLUTION, ROW_PARALLEL_SOLUTION
+from parlib.course.questions.ch02 import F_SOLUTION, G_SOLUTION, ROW_PARALLEL_SOLUTION
 from parlib.course.registry import questions
 from tests.helpers.learner_code import learner as define_learner
 
@@ -18,7 +18,7 @@ GiB = 2**30
 
 def test_ch02_questions_registered():
     ids = set(questions("02"))
-    assert {"02.f_and_g", "02.row_parallel", "02.bytes_per_layer", "02.layer_memory",
+    assert {"02.f", "02.g", "02.row_parallel", "02.bytes_per_layer", "02.layer_memory",
             "02.slow_link", "02.t_within_node", "02.mlp_split"} <= ids
     for q in questions("02").values():
         assert q.working and q.prompt
@@ -56,85 +56,94 @@ def test_choices():
 
 # --------------------------------------------------------------------------- f and g
 
-def f_and_g(src=F_AND_G_SOLUTION):
-    ns_f = define_learner(src, "CopyToParallelRegion")
-    ns_g = define_learner(src, "ReduceFromParallelRegion")
-    return ns_f, ns_g
-
-
-# one change each to the reference
-F_AND_G_MUTANTS = {
-    "f all-reduces in forward, not backward (wrong direction)": (
-        [("        return x.view_as(x)          # every rank already holds the same x",
-          "        out = x.clone()\n        dist.all_reduce(out, group=group)\n"
-          "        return out"),
-         ("        grad = grad.clone()          # each rank holds its slice's share of dL/dx\n"
-          "        dist.all_reduce(grad, group=ctx.group)\n", "")],
+F_MUTANTS = {
+    "all-reduce in forward instead of backward (wrong direction)": (
+        [("            return x.view_as(x)          # every rank already holds the same x",
+          "            out = x.clone()\n            dist.all_reduce(out, group=group)\n"
+          "            return out"),
+         ("            dist.all_reduce(grad, group=ctx.group)\n", "")],
         "f all-reduces in forward"),
-    "f's backward forgets the all-reduce": (
-        [("        dist.all_reduce(grad, group=ctx.group)\n", "")],
+    "missing gradient all-reduce": (
+        [("            dist.all_reduce(grad, group=ctx.group)\n", "")],
         "f's backward returns the gradient unchanged"),
-    "f's backward averages (divides by t)": (
-        [("        dist.all_reduce(grad, group=ctx.group)\n",
-          "        dist.all_reduce(grad, group=ctx.group)\n"
-          "        grad /= dist.get_world_size(ctx.group)\n")],
+    "gradient averaged (divided by t)": (
+        [("            dist.all_reduce(grad, group=ctx.group)\n",
+          "            dist.all_reduce(grad, group=ctx.group)\n"
+          "            grad /= dist.get_world_size(ctx.group)\n")],
         "divides by t"),
-    "g forgets its all-reduce": (
-        [("        dist.all_reduce(out, group=group)\n        return out\n\n    @staticmethod\n"
-          "    def backward(ctx, grad):\n        return grad, None",
-          "        return out\n\n    @staticmethod\n"
-          "    def backward(ctx, grad):\n        return grad, None")],
-        "g returns its input"),
-    "g also all-reduces the gradient (duplicated gradient)": (
-        [("        return grad, None            # the gradient is already whole on every rank",
-          "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad, None")],
-        "t times too big"),
 }
 
+G_MUTANTS = {
+    "forgotten all-reduce": (
+        [("            dist.all_reduce(out, group=group)\n", "")],
+        "g returns its input"),
+    "all-reduce in backward too (duplicated gradient)": (
+        [("            return grad, None            # the gradient is already whole on every "
+          "rank",
+          "            grad = grad.clone()\n            dist.all_reduce(grad)\n"
+          "            return grad, None")],
+        "t times too big"),
+    "partial sums averaged": (
+        [("            dist.all_reduce(out, group=group)\n",
+          "            dist.all_reduce(out, group=group)\n"
+          "            out = out / dist.get_world_size(group)\n")],
+        "g averages"),
+}
 
-def test_f_and_g_reference_passes():
-    r = check("02.f_and_g", f_and_g())
-    assert r.passed, r
+OPS = {"02.f": (F_SOLUTION, "copy_to_parallel_region", F_MUTANTS),
+       "02.g": (G_SOLUTION, "reduce_from_parallel_region", G_MUTANTS)}
 
 
-@pytest.mark.parametrize("name", list(F_AND_G_MUTANTS))
-def test_f_and_g_rejects_mutant(name):
-    changes, hint = F_AND_G_MUTANTS[name]
-    src = F_AND_G_SOLUTION
+def mutate(src, changes):
     for old, new in changes:
         assert src.count(old) == 1, f"the reference no longer has {old!r}"
         src = src.replace(old, new)
-    r = check("02.f_and_g", f_and_g(src))
+    return src
+
+
+@pytest.mark.parametrize("qid", list(OPS))
+def test_operator_reference_passes(qid):
+    src, name, _ = OPS[qid]
+    r = check(qid, define_learner(src, name))
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("qid, mutant", [(q, m) for q in OPS for m in OPS[q][2]])
+def test_operator_rejects_mutant(qid, mutant):
+    src, name, mutants = OPS[qid]
+    changes, hint = mutants[mutant]
+    r = check(qid, define_learner(mutate(src, changes), name))
     assert r.status == "failed", r
     assert hint in r.message, r.message
 
 
-def test_f_and_g_answer_form():
-    assert check("02.f_and_g", ...).status == "not attempted"
-    f_cls, _ = f_and_g()
-    r = check("02.f_and_g", f_cls)
-    assert r.status == "failed" and "pair" in r.message
-    r = check("02.f_and_g", (f_cls, f_cls.apply))
-    assert r.status == "failed" and "torch.autograd.Function" in r.message
+def test_operator_without_autograd_is_rejected():
+    # dist.all_reduce on a plain tensor in forward, no Function: autograd sees no f at all
+    src = """
+def copy_to_parallel_region(x, group=None):
+    return x.detach()
+"""
+    r = check("02.f", define_learner(src, "copy_to_parallel_region"))
+    assert r.status == "failed" and "does not require grad" in r.message, r.message
 
 
-def test_f_and_g_stub_not_attempted(capsys):
-    stub = '''
-class CopyToParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        raise NotImplementedError
+def test_operator_stub_not_attempted(capsys):
+    stub = """
+def copy_to_parallel_region(x, group=None):
+    class CopyToParallelRegion(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            raise NotImplementedError("your code here")
 
-    @staticmethod
-    def backward(ctx, grad):
-        raise NotImplementedError
+        @staticmethod
+        def backward(ctx, grad):
+            raise NotImplementedError("your code here")
 
-
-class ReduceFromParallelRegion(CopyToParallelRegion):
-    pass
-'''
-    assert check("02.f_and_g", f_and_g(stub)).status == "not attempted"
-    explain("02.f_and_g")
+    return CopyToParallelRegion.apply(x, group)
+"""
+    assert check("02.f", define_learner(stub, "copy_to_parallel_region")).status == \
+        "not attempted"
+    explain("02.f")
     assert "dist.all_reduce(grad" not in capsys.readouterr().out  # no working yet
 
 

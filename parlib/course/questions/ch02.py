@@ -9,15 +9,9 @@ import torch
 
 from parlib.cost.model import Model
 from parlib.cost.tensor import tp_layer_params, tp_sent_bytes_per_layer
-from parlib.course.question_types import (
-    Choice,
-    Implementation,
-    Numeric,
-    current_timeout,
-    is_stub,
-)
+from parlib.course.question_types import Choice, Implementation, Numeric, current_timeout
 from parlib.course.registry import register
-from parlib.course.results import CheckFailed, NotAttempted
+from parlib.course.results import CheckFailed
 
 GiB = 2**30
 
@@ -217,34 +211,41 @@ LR = 0.1
 SEED = 1
 WORLDS = (2, 4)
 
-F_AND_G_SOLUTION = '''\
-class CopyToParallelRegion(torch.autograd.Function):
-    """f: identity forward, all-reduce of the gradient backward."""
+F_SOLUTION = '''\
+def copy_to_parallel_region(x, group=None):
+    """f: identity forward, all-reduce (sum) of the gradient backward."""
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)          # every rank already holds the same x
+    class CopyToParallelRegion(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return x.view_as(x)          # every rank already holds the same x
 
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()          # each rank holds its slice's share of dL/dx
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None            # no gradient for the group argument
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()          # each rank holds its slice's share of dL/dx
+            dist.all_reduce(grad, group=ctx.group)
+            return grad, None            # no gradient for the group argument
 
+    return CopyToParallelRegion.apply(x, group)
+'''
 
-class ReduceFromParallelRegion(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+G_SOLUTION = '''\
+def reduce_from_parallel_region(x, group=None):
+    """g: all-reduce (sum) forward, identity backward."""
 
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.clone()              # each rank holds a partial sum
-        dist.all_reduce(out, group=group)
-        return out
+    class ReduceFromParallelRegion(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            out = x.clone()              # each rank holds a partial sum
+            dist.all_reduce(out, group=group)
+            return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None            # the gradient is already whole on every rank
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None            # the gradient is already whole on every rank
+
+    return ReduceFromParallelRegion.apply(x, group)
 '''
 
 ROW_PARALLEL_SOLUTION = '''\
@@ -317,76 +318,84 @@ def _first_mismatch(got: dict[str, Any], ref: dict[str, Any]) -> str | None:
 # ---- f and g
 
 
-def _probe_f_and_g(pair: tuple[type, type]) -> dict[str, torch.Tensor]:
-    """On each rank: f and g on rank-dependent tensors, forward and backward."""
-    f_cls, g_cls = pair
-    out = {}
-    for name, cls in (("f", f_cls), ("g", g_cls)):
-        x = _rank_values((3,), 1.0).requires_grad_()
-        y = cls.apply(x * 1.0, None)  # a non-leaf input, as inside a model
-        if isinstance(y, tuple):
-            y = y[0]
-        out[f"{name} forward"] = y.detach().clone()
-        y.backward(_rank_values((3,), 10.0))
-        out[f"{name} backward"] = x.grad.detach().clone()
+def _probe_op(fn: Callable) -> dict[str, torch.Tensor]:
+    """On each rank: the learner's operator on rank + 1 (a non-leaf tensor, as inside a
+    model), and the gradient it passes back for an incoming gradient of 10 x (rank + 1)."""
+    x = _rank_values((3,), 1.0).requires_grad_()
+    y = fn(x * 1.0, None)
+    if not isinstance(y, torch.Tensor):
+        return {"error": f"it returned {type(y).__name__}, not a tensor"}
+    if not y.requires_grad:
+        return {"error": "its output does not require grad: build it with "
+                         "torch.autograd.Function (forward and backward), call .apply"}
+    out = {"forward": y.detach().clone()}
+    y.backward(_rank_values(tuple(y.shape), 10.0))
+    out["backward"] = None if x.grad is None else x.grad.detach().clone()
     return out
 
 
-def _diagnose_f_and_g(results: list[dict[str, torch.Tensor]], t: int) -> str | None:
+# The expected value of each probe and the known wrong values, per operator. Values are
+# functions of (rank, t); the hints name the mistake.
+_OPS = {
+    "f": {
+        "forward": (lambda r, t: r + 1.0, {
+            lambda r, t: t * (t + 1) / 2: "f all-reduces in forward: its input is the same on "
+            "every rank already (it enters a column-parallel region), so f's forward is the "
+            "identity and its all-reduce belongs in backward",
+            lambda r, t: (t + 1) / 2: "f averages in forward: its forward is the identity"}),
+        "backward": (lambda r, t: 10.0 * t * (t + 1) / 2, {
+            lambda r, t: 10.0 * (r + 1): "f's backward returns the gradient unchanged: each "
+            "rank's slice of the next layer gives only part of dL/dx, so f's backward must "
+            "all-reduce (sum) it",
+            lambda r, t: 10.0 * (t + 1) / 2: "f's backward divides by t: the ranks' partial "
+            "gradients add up, sum them without dividing"}),
+    },
+    "g": {
+        "forward": (lambda r, t: t * (t + 1) / 2, {
+            lambda r, t: r + 1.0: "g returns its input: each rank holds a partial sum after a "
+            "row-parallel layer, so g must all-reduce it in forward",
+            lambda r, t: (t + 1) / 2: "g averages: the partial sums add up to the output, sum "
+            "them without dividing"}),
+        "backward": (lambda r, t: 10.0 * (r + 1), {
+            lambda r, t: 10.0 * t * (t + 1) / 2: "g's backward all-reduces: the gradient of "
+            "g's output is already the same whole gradient on every rank, so summing it makes "
+            "it t times too big; g's backward is the identity",
+            lambda r, t: 10.0 * (t + 1) / 2: "g's backward averages: it must return the "
+            "gradient unchanged"}),
+    },
+}
+
+
+def _diagnose_op(which: str, results: list[dict[str, Any]], t: int) -> str | None:
     where = f"on {t} ranks"
-    total = t * (t + 1) / 2  # sum over ranks of (rank + 1)
     for r, res in enumerate(results):
-        own, own_grad = float(r + 1), 10.0 * (r + 1)
-        checks = [
-            ("f forward", own, {total: "f all-reduces in forward: its input is the same on "
-                                       "every rank already (it enters a column-parallel "
-                                       "region), so f's forward is the identity and its "
-                                       "all-reduce belongs in backward",
-                                total / t: "f averages in forward: its forward is the "
-                                           "identity"}),
-            ("f backward", 10 * total, {own_grad: "f's backward returns the gradient "
-                                                  "unchanged: each rank's slice of the next "
-                                                  "layer gives only part of dL/dx, so f's "
-                                                  "backward must all-reduce (sum) it",
-                                        10 * total / t: "f's backward divides by t: the "
-                                                        "ranks' partial gradients add up, "
-                                                        "sum them without dividing"}),
-            ("g forward", total, {own: "g returns its input: each rank holds a partial sum "
-                                       "after a row-parallel layer, so g must all-reduce it "
-                                       "in forward",
-                                  total / t: "g averages: the partial sums add up to the "
-                                             "output, sum them without dividing"}),
-            ("g backward", own_grad, {10 * total: "g's backward all-reduces: the gradient "
-                                                  "of g's output is already the same whole "
-                                                  "gradient on every rank, so summing it "
-                                                  "makes it t times too big; g's backward "
-                                                  "is the identity",
-                                      10.0 * total / t: "g's backward averages: it must "
-                                                        "return the gradient unchanged"}),
-        ]
-        for key, want, known in checks:
+        if "error" in res:
+            return f"{where}: rank {r}: {res['error']}"
+        for key in ("forward", "backward"):
             got = res[key]
-            if torch.allclose(got, torch.full_like(got, want)):
+            if got is None:
+                return (f"{where}: rank {r} got no gradient for x: backward must return the "
+                        f"gradient of x (and None for the group)")
+            want, known = _OPS[which][key]
+            if torch.allclose(got, torch.full_like(got, want(r, t))):
                 continue
             for value, hint in known.items():
-                if torch.allclose(got, torch.full_like(got, value)):
+                if torch.allclose(got, torch.full_like(got, value(r, t))):
                     return f"{where}: {hint}"
-            came = ("" if key.endswith("forward")
-                    else ", the incoming gradient 10 x (rank + 1)")
-            return (f"{where}: rank {r}'s {key} gave {got.tolist()}, expected "
-                    f"{[want] * got.numel()} (its input was rank + 1 = {r + 1}{came})")
+            came = "" if key == "forward" else ", the incoming gradient 10 x (rank + 1)"
+            return (f"{where}: rank {r}'s {which} gave {got.tolist()} in {key}, expected "
+                    f"{[want(r, t)] * got.numel()} (its input was rank + 1 = {r + 1}{came})")
     return None
 
 
-def _tp_with_f_and_g(pair: tuple[type, type], steps: int) -> dict[str, Any]:
-    """On each rank: the TP copy of a small TinyGPT with the learner's f and g inside."""
+def _tp_with_op(which: str, fn: Callable, steps: int) -> dict[str, Any]:
+    """On each rank: the TP copy of a small TinyGPT with the learner's f (or g) inside."""
     from parlib.model import build_model
     from parlib.strategies import tensor_ops
     from parlib.strategies.tensor import local_shards, tensor_parallel_copy
 
-    f_cls, g_cls = pair
-    tensor_ops.copy_to_tensor_parallel_region = lambda x, group=None: f_cls.apply(x, group)
-    tensor_ops.reduce_from_tensor_parallel_region = lambda x, group=None: g_cls.apply(x, group)
+    name = {"f": "copy_to_tensor_parallel_region", "g": "reduce_from_tensor_parallel_region"}
+    setattr(tensor_ops, name[which], lambda x, group=None: fn(x, group))
     ref = _train_record(build_model(_cfg(), SEED), steps)
     tp = tensor_parallel_copy(build_model(_cfg(), SEED))
     got = _train_record(tp, steps)
@@ -395,58 +404,45 @@ def _tp_with_f_and_g(pair: tuple[type, type], steps: int) -> dict[str, Any]:
     return {"problem": _first_mismatch(got, ref)}
 
 
-def _grade_f_and_g(pair: tuple[type, type]) -> None:
-    from parlib.runtime import launch
+def _grader(which: str) -> Callable[[Callable], None]:
+    def grade(fn: Callable) -> None:
+        from parlib.runtime import launch
 
-    for t in WORLDS:
-        problem = _diagnose_f_and_g(
-            launch(_probe_f_and_g, pair, world_size=t, timeout=current_timeout()), t)
-        if problem:
-            raise CheckFailed(problem)
-    for t in WORLDS:
-        for r, res in enumerate(launch(_tp_with_f_and_g, pair, STEPS, world_size=t,
-                                       timeout=current_timeout())):
-            if res["problem"]:
-                raise CheckFailed(
-                    f"training a tensor-parallel TinyGPT with your f and g on {t} ranks, "
-                    f"rank {r}: {res['problem']}. f and g each passed the small test on "
-                    f"their own: do they keep state between calls, or change their input "
-                    f"in place?")
-
-
-class _FunctionPair(Implementation):
-    """An Implementation whose answer is a pair of torch.autograd.Function classes."""
-
-    def grade(self, answer: Any) -> str:
-        if is_stub(answer):
-            raise NotAttempted
-        if not isinstance(answer, (tuple, list)) or len(answer) != 2:
-            raise CheckFailed("give the pair (f, g) as a tuple of your two "
-                              "torch.autograd.Function classes, f first")
-        for name, cls in zip("fg", answer):
-            if is_stub(cls):
-                raise NotAttempted
-            if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
-                raise CheckFailed(f"{name} must be a subclass of torch.autograd.Function "
-                                  f"(the class itself, not an instance or .apply); you gave "
-                                  f"{cls!r}")
-        self.grader(tuple(answer))
-        return "correct"
+        for t in WORLDS:
+            problem = _diagnose_op(
+                which, launch(_probe_op, fn, world_size=t, timeout=current_timeout()), t)
+            if problem:
+                raise CheckFailed(problem)
+        for t in WORLDS:
+            for r, res in enumerate(launch(_tp_with_op, which, fn, STEPS, world_size=t,
+                                           timeout=current_timeout())):
+                if res["problem"]:
+                    raise CheckFailed(
+                        f"training a tensor-parallel TinyGPT with your {which} on {t} ranks, "
+                        f"rank {r}: {res['problem']}. Your {which} passed the small test on "
+                        f"its own: does it keep state between calls, or change its input in "
+                        f"place?")
+    return grade
 
 
-register(_FunctionPair(
-    "02.f_and_g",
-    _grade_f_and_g,
+_CLASS_NOTE = """
+        Define the torch.autograd.Function class inside the function and return
+        Class.apply(x, group): the grader rebuilds your function from its source, and a
+        class defined in another cell would not come with it.
+"""
+
+register(Implementation(
+    "02.f",
+    _grader("f"),
     timeout=90.0,
     prompt="""
-        Write Megatron's two operators as torch.autograd.Function classes, each with
-        forward(ctx, x, group) and backward(ctx, grad): CopyToParallelRegion (f: identity
-        forward, all-reduce of the gradient backward) and ReduceFromParallelRegion (g:
-        all-reduce forward, identity backward). Check the pair with
-        parlib.check("02.f_and_g", (CopyToParallelRegion, ReduceFromParallelRegion)).
-        Checked on 2 and 4 ranks: each operator on its own, then inside a
-        tensor-parallel TinyGPT trained for 3 SGD steps, whose logits, gradients and
-        parameters must equal single-device training (rtol 1e-4).
+        Write copy_to_parallel_region(x, group=None) -> Tensor, Megatron's f: identity in
+        forward, all-reduce (sum over the group) of the gradient in backward, as a
+        torch.autograd.Function with forward(ctx, x, group) and backward(ctx, grad).
+    """ + _CLASS_NOTE + """
+        Checked on 2 and 4 ranks: forward and backward on rank-dependent values, then as
+        the f of a tensor-parallel TinyGPT trained for 3 SGD steps, whose logits,
+        gradients and parameters must equal single-device training (rtol 1e-4).
     """,
     working=textwrap.dedent("""
         f sits where a replicated activation x enters column-parallel layers. Forward:
@@ -454,15 +450,32 @@ register(_FunctionPair(
         next layer contributes only its part of dL/dx (the gradient flows back through
         rank r's columns only), so the ranks sum their parts: an all-reduce.
 
-        g sits after a row-parallel layer. Forward: each rank holds a partial sum of the
-        output, so all-reduce. Backward: the loss is computed the same on every rank
-        from the summed output, so the gradient arriving at g is whole and identical on
-        every rank: pass it through (summing it would make it t times too big).
-
         backward returns one gradient per forward input: (gradient of x, None for the
-        group). Clone before the in-place all-reduce so the tensors autograd handed you
-        are left alone.
-    """) + "\n```python\n" + F_AND_G_SOLUTION + "```\n",
+        group). Clone before the in-place all-reduce, so the tensor autograd handed you is
+        left alone.
+    """) + "\n```python\n" + F_SOLUTION + "```\n",
+))
+
+register(Implementation(
+    "02.g",
+    _grader("g"),
+    timeout=90.0,
+    prompt="""
+        Write reduce_from_parallel_region(x, group=None) -> Tensor, Megatron's g:
+        all-reduce (sum over the group) in forward, identity in backward, as a
+        torch.autograd.Function with forward(ctx, x, group) and backward(ctx, grad).
+    """ + _CLASS_NOTE + """
+        Checked on 2 and 4 ranks: forward and backward on rank-dependent values, then as
+        the g of a tensor-parallel TinyGPT trained for 3 SGD steps, whose logits,
+        gradients and parameters must equal single-device training (rtol 1e-4).
+    """,
+    working=textwrap.dedent("""
+        g sits after a row-parallel layer. Forward: each rank holds a partial sum of the
+        output, so all-reduce (on a clone: the partial sum is autograd's tensor).
+        Backward: the loss is computed the same way on every rank from the summed output,
+        so the gradient arriving at g is whole and identical on every rank: pass it
+        through. Summing it again would make it t times too big.
+    """) + "\n```python\n" + G_SOLUTION + "```\n",
 ))
 
 
@@ -655,7 +668,7 @@ register(Implementation(
         (b, s, out_features) on every rank, computed from this rank's slice of the weight
         only, with the right communication in forward and backward: use g (all-reduce
         forward, identity backward), tensor_ops.reduce_from_tensor_parallel_region from
-        parlib.strategies, or your own from 02.f_and_g. Checked on 2 and 4
+        parlib.strategies, or your own from 02.g. Checked on 2 and 4
         ranks: a square layer against nn.Linear (output, and the gradients of x, of this
         rank's weight columns and of the bias), then as attention's out and the MLP's
         down in a tensor-parallel TinyGPT trained for 3 SGD steps against single-device
