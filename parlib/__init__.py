@@ -38,9 +38,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Cluster",
+    "ColumnParallelLinear",
     "DataParallel",
     "Mesh",
     "RankError",
+    "RowParallelLinear",
     "Zero1",
     "check",
     "device",
@@ -56,8 +58,10 @@ __all__ = [
 _LAZY = {
     "check": "parlib.course.check",
     "explain": "parlib.course.check",
+    "ColumnParallelLinear": "parlib.strategies.tensor",
     "DataParallel": "parlib.strategies.data_parallel",
     "Mesh": "parlib.strategies.mesh",
+    "RowParallelLinear": "parlib.strategies.tensor",
     "Zero1": "parlib.strategies.zero",
 }
 
