@@ -175,14 +175,24 @@ def test_zero1_sees_the_c10d_all_reduce():
 
 
 def test_timeout_hint_fits_the_question():
+    import parlib
+    from parlib.course.question_types import Implementation, current_timeout
+
+    def grader(fn):
+        parlib.launch(fn, world_size=2, timeout=current_timeout())
+
+    register_hang = Implementation("99.hang", grader, prompt="p", working="w")
+    registry.register(register_hang)
     f = learner("""
-        def average_gradients(model):
+        def average(t=None):
             if dist.get_rank() == 0:
-                return  # rank 0 skips the collective: the others wait forever
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-        """, "average_gradients")
-    r = check("01.grad_avg", f, timeout=4)
+                return  # rank 0 skips the collective: the other waits forever
+            dist.all_reduce(torch.ones(1))
+        """, "average")
+    try:
+        r = check("99.hang", f, timeout=4)
+    finally:
+        registry._REGISTRY.pop("99.hang", None)
     assert r.status == "failed", r
     assert "same collectives in the same order" in r.message, r
     assert "recv" not in r.message, r
