@@ -36,6 +36,22 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def live_parents() -> dict[int, int]:
+    """pid -> parent pid of every live process (zombies left out), read from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in ("Z", "X"):
+            parents[int(entry)] = int(fields[1])
+    return parents
+
+
 def is_alive(pid: int, started: int | None = None) -> bool:
     """True if ``pid`` runs (not a zombie) and, when given, started at ``started``."""
     if not os.path.exists("/proc/self/stat"):  # no /proc (macOS): best effort

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from parlib.comm import quiet_renames
+from parlib.runtime.procs import live_parents
 
 # Messages in a rank's error report that are echoes of another rank's failure: a peer that
 # vanished or broke off. The launcher prefers any other failure as the root cause.
@@ -96,21 +97,12 @@ def _end_ranks_with_forkserver(me: int, kernel: int) -> None:
     children, and remove the kernel's parlib temp folders."""
     if os.getpid() != me:
         return
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            pid = int(entry)
-            with contextlib.suppress(OSError):
-                if os.getpgid(pid) == pid:
-                    os.killpg(pid, signal.SIGKILL)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+    for pid in [p for p, parent in live_parents().items() if parent == me]:
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     import shutil
     import tempfile
 

@@ -2,20 +2,12 @@
 
 import os
 
+from parlib.runtime.procs import live_parents
+
 
 def children_of(pid):
     """Every live descendant of ``pid`` (zombies excluded)."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            parent[int(entry)] = int(fields[1])
+    parent = live_parents()
     found, frontier = set(), {pid}
     while frontier:
         frontier = {p for p, pp in parent.items() if pp in frontier} - found
