@@ -1,4 +1,5 @@
-"""Benchmark of the chapter 05 cost model (pure Python, no ranks, a second or two).
+"""Benchmark of the chapter 05 cost model: the planner and the published runs (pure Python,
+no ranks, a second or two), and predicted against measured layouts here (about a minute).
 
     python bench/cost.py                      # every section
     python bench/cost.py --sections plan      # only the planner timing and its top 5
@@ -9,9 +10,10 @@ Sections, each a function printing one table:
   (target: under 1 s; median of repeats, each a fresh search), then its top 5 layouts.
 - ``published``: predicted (at peak compute) against reported utilisation of the published
   runs in ``parlib.cost.published``.
-
-A section is a function in SECTIONS; the predicted-vs-measured table of 4-rank layouts run
-here joins as one more once the chapters whose code it runs exist.
+- ``layouts``: chapter 05's six 4-rank layouts of the tiny model, predicted with the link
+  measured here (chapter 00's fit) and emulated devices, then run with chapter 04's code:
+  measured / predicted per layout, with the measured link and with an emulated slow one
+  (``SlowLink``, +200 ns per byte). About a minute; the only section that launches ranks.
 """
 
 from __future__ import annotations
@@ -76,9 +78,45 @@ def published_section(args: argparse.Namespace) -> None:
     print(comparison_table())
 
 
+def layouts_section(args: argparse.Namespace) -> None:
+    import parlib
+    from parlib import verify
+    from parlib.strategies import layouts as L
+
+    fit, source = L.measured_link(4)
+    one_core = L.compute_rate()
+    rate = one_core / args.slowdown
+    here = Cluster.measured_here(4, allreduce_fit=(fit.a, fit.b), fit_ranks=fit.n,
+                                 flops_per_second=rate)
+    print(f"\nlayouts: 4 ranks, link from {source} ({fit.backend}: alpha "
+          f"{here.intra_node.alpha * 1e6:.0f} us, {here.intra_node.bandwidth / 1e9:.2f} GB/s); "
+          f"emulated devices at one core / {args.slowdown:g} = {rate / 1e9:.2f} GFLOP/s")
+    reference = L.reference_step()
+    for title, link in (("measured link", None),
+                        (f"+ emulated {args.slow_beta * 1e9:g} ns per byte (SlowLink)",
+                         (0.0, args.slow_beta))):
+        cluster = here.slowed_by(*link) if link else here
+        predicted = L.predict(L.LAYOUTS, cluster)
+        results = parlib.launch(L.rank_time_layouts, flops_per_second=rate, link=link,
+                                reference=reference, tolerance=(verify.RTOL, verify.ATOL),
+                                repeats=args.layout_repeats, world_size=4, timeout=600)
+        rows = L.measured(results)
+        agree = L.agreement(predicted, rows)
+        print(f"\n{title}: every layout matches one device: {all(r['ok'] for r in rows)}; "
+              f"overruns {sum(r['overruns'] for r in rows)} of "
+              f"{sum(r['pieces'] for r in rows)} pieces\n")
+        print(L.table(predicted, rows))
+        print(f"\n{agree['within']} of 6 within 25%; {agree['pairs_same']} of "
+              f"{agree['pairs']} pairs in the predicted order ({agree['separated_same']} of "
+              f"{agree['separated']} pairs predicted > 10% apart); fastest predicted "
+              f"{L.layout_name(L.LAYOUTS[agree['best'][0]])}, measured "
+              f"{L.layout_name(L.LAYOUTS[agree['best'][1]])}")
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "plan": plan_section,
     "published": published_section,
+    "layouts": layouts_section,
 }
 
 
@@ -87,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     ap.add_argument("--repeats", type=int, default=5, help="plan searches to time")
     ap.add_argument("--global-batch", type=int, default=4096, help="sequences per step")
+    ap.add_argument("--slowdown", type=float, default=16.0,
+                    help="layouts: emulated device = one core's rate / this")
+    ap.add_argument("--slow-beta", type=float, default=200e-9,
+                    help="layouts: seconds per byte the emulated slow link adds")
+    ap.add_argument("--layout-repeats", type=int, default=5, help="layouts: timed steps")
     args = ap.parse_args(argv)
     for name in args.sections:
         SECTIONS[name](args)

@@ -126,7 +126,8 @@ class Estimate:
 
 def estimate(model: Model, cluster: Cluster, *, d: int, t: int, p: int, m: int,
              global_batch: int, zero: int = 0, recompute: bool | str = False, v: int = 1,
-             sequence_parallel: bool = True, mixed_precision: bool = True) -> Estimate:
+             sequence_parallel: bool = True, mixed_precision: bool = True,
+             dp_overlap: bool = True) -> Estimate:
     """Predict one layout: d data-parallel x t tensor-parallel x p pipeline ranks, m
     microbatches per step per data-parallel rank, ``global_batch`` sequences per step,
     v model chunks per pipeline rank (v > 1: the interleaved schedule).
@@ -134,6 +135,8 @@ def estimate(model: Model, cluster: Cluster, *, d: int, t: int, p: int, m: int,
     ``recompute``: False, "selective" (attention scores recomputed, as FlashAttention) or
     True (full). ``mixed_precision``: bf16 activations and messages with fp32 Adam state
     (16 bytes per parameter); False is fp32 throughout, as the course's CPU runs.
+    ``dp_overlap=False``: the gradient sync starts after the whole backward (nothing
+    hidden), as chapter 04's ``train_step_3d`` does.
     Raises ValueError naming the problem for a layout that cannot exist.
     """
     check_inputs(model, cluster)
@@ -163,7 +166,7 @@ def estimate(model: Model, cluster: Cluster, *, d: int, t: int, p: int, m: int,
     if not any(recompute is r for r in RECOMPUTE):
         raise ValueError(f"recompute must be False, 'selective' or True, got {recompute!r}")
     est = _evaluate(model, cluster, d, t, p, m, v, global_batch, zero, recompute,
-                    sequence_parallel, mixed_precision)
+                    sequence_parallel, mixed_precision, dp_overlap)
     est.reason = est.describe()
     return est
 
@@ -180,7 +183,7 @@ def check_inputs(model: Model, cluster: Cluster) -> None:
 
 def _evaluate(model: Model, cluster: Cluster, d: int, t: int, p: int, m: int, v: int,
               global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
-              mixed_precision: bool) -> Estimate:
+              mixed_precision: bool, dp_overlap: bool = True) -> Estimate:
     """The estimate, inputs already checked (the planner calls this directly)."""
     s, h, L = model.seq_len, model.d_model, model.n_layers
     n = cluster.n_devices
@@ -269,7 +272,7 @@ def _evaluate(model: Model, cluster: Cluster, d: int, t: int, p: int, m: int, v:
     # Gradients of the last microbatch appear during its backward: 2/3 of its model FLOPs
     # (recomputed forwards produce no gradients, so they widen no window).
     window = busy if zero == 3 else busy * (model_flops / hardware_flops) / m * (2 / 3)
-    dp_hidden = min(dp_total, window)
+    dp_hidden = min(dp_total, window) if dp_overlap else 0.0
 
     time = {"compute": compute, "tp_comm": tp_comm, "pp_bubble": pp_bubble,
             "pp_send": pp_send, "dp_sync": dp_total - dp_hidden,

@@ -39,6 +39,13 @@ class Link:
         """Seconds per byte: 1 / bandwidth."""
         return 1.0 / self.bandwidth
 
+    def slowed_by(self, alpha: float, beta: float) -> Link:
+        """This link with ``alpha`` seconds per message and ``beta`` seconds per byte added
+        (what an emulated delay on top of it makes: the times add)."""
+        if alpha < 0 or beta < 0:
+            raise ValueError(f"an added delay must be >= 0, got alpha={alpha!r}, beta={beta!r}")
+        return Link(alpha=self.alpha + alpha, bandwidth=1.0 / (self.beta + beta))
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -90,6 +97,12 @@ class Cluster:
     def link_for(self, span: int) -> Link:
         """The slowest link inside such a block: the node's own when it is in one node."""
         return self.intra_node if self.in_one_node(span) else self.inter_node
+
+    def slowed_by(self, alpha: float, beta: float) -> Cluster:
+        """A copy whose links both have ``alpha`` s per message and ``beta`` s per byte
+        added (an emulated slower network, as :class:`parlib.measure.SlowLink` makes)."""
+        return replace(self, intra_node=self.intra_node.slowed_by(alpha, beta),
+                       inter_node=self.inter_node.slowed_by(alpha, beta))
 
     def with_(self, **changes: Any) -> Cluster:
         """A copy with some fields changed, e.g. ``cluster.with_(n_devices=64)``."""

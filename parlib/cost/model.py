@@ -75,12 +75,19 @@ class Model:
 
     # ---- parameters
     @property
+    def attention_matmul_params(self) -> int:
+        """Weights of one layer's q, k, v and out projections."""
+        return 2 * self.d_model * self.d_model + 2 * self.d_model * self.kv_dim
+
+    @property
+    def mlp_matmul_params(self) -> int:
+        """Weights of one layer's MLP matrices (three when gated)."""
+        return (3 if self.gated_mlp else 2) * self.d_model * self.ffn_dim
+
+    @property
     def layer_matmul_params(self) -> int:
         """Weights of one layer's matrices: q, k, v, out projections and the MLP."""
-        h, f = self.d_model, self.ffn_dim
-        attention = 2 * h * h + 2 * h * self.kv_dim
-        mlp = (3 if self.gated_mlp else 2) * h * f
-        return attention + mlp
+        return self.attention_matmul_params + self.mlp_matmul_params
 
     @property
     def _norm_params(self) -> int:
@@ -137,6 +144,24 @@ class Model:
     def layers_forward_flops_per_token(self) -> int:
         """Forward FLOPs of the transformer layers alone (what full recomputation reruns)."""
         return 2 * self.n_layers * self.layer_matmul_params + self.attention_flops_per_token
+
+    def rank_forward_flops_per_token(self, *, layers: int, t: int = 1,
+                                     head: bool = False) -> float:
+        """Forward FLOPs per token of one rank holding ``layers`` transformer layers split
+        ``t`` ways by tensor parallelism (matrices and heads), plus the whole output
+        projection when ``head`` (the course's TP copy keeps the head unsplit)."""
+        if not 0 <= layers <= self.n_layers or t < 1:
+            raise ValueError(f"need 0 <= layers <= {self.n_layers} and t >= 1, got "
+                             f"layers={layers!r}, t={t!r}")
+        output = 2 * self.vocab_size * self.d_model if head else 0
+        return layers * sum(self.layer_forward_flops_per_token(t)) + output
+
+    def layer_forward_flops_per_token(self, t: int = 1) -> tuple[float, float]:
+        """Forward FLOPs per token of one layer's two halves on one of ``t`` tensor-parallel
+        ranks: (attention: projections and scores, MLP). Megatron ends each half with an
+        all-reduce."""
+        attention = 2 * self.attention_matmul_params + 4 * self.seq_len * self.d_model
+        return attention / t, 2 * self.mlp_matmul_params / t
 
     def __str__(self) -> str:
         label = self.name or "model"

@@ -30,7 +30,8 @@ _WHERE = {
     "tensor_bytes": "memory",
     "Recorder": "timeline", "Span": "timeline", "align": "timeline", "busy_time": "timeline",
     "idle_spans": "timeline", "makespan": "timeline", "measured_bubble": "timeline",
-    "SlowLink": "emulation", "StageCost": "emulation", "default_cost": "emulation",
+    "PacedCost": "emulation", "SlowLink": "emulation", "StageCost": "emulation",
+    "default_cost": "emulation",
     "LinkFit": "links", "fit_link": "links", "load_link": "links", "save_links": "links",
     "time_all_reduce": "links",
 }

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from parlib.cost.collectives import collective_time
+from parlib.cost.collectives import collective_time, message_time
 from parlib.cost.pipeline import microbatch_time
+
+# Real compute that outlasts its emulated time by less than this is not called an overrun
+# (a piece of nearly no FLOPs, such as the norm after a layer's last all-reduce).
+OVERRUN_SLACK = 1e-3
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,31 @@ class StageCost:
         return StageCost(self.forward, self.backward, self.per_call,
                          tuple((s, f) for s, f in self.slow if s != stage) + ((stage, factor),))
 
-    def pad(self, kind: str, started: float, rows: int, stage: int = 0) -> None:
-        """Sleep until ``duration(kind, rows, stage)`` has passed since ``started``."""
-        left = self.duration(kind, rows, stage) - (time.perf_counter() - started)
+    @classmethod
+    def for_flops(cls, forward_flops_per_row: float, flops_per_second: float) -> StageCost:
+        """An emulated device of ``flops_per_second``: a forward of b rows takes b x
+        ``forward_flops_per_row`` / rate, a backward twice that (it computes the gradients
+        of both the inputs and the weights), nothing per call."""
+        if not flops_per_second > 0 or forward_flops_per_row < 0:
+            raise ValueError(f"need flops_per_second > 0 and forward_flops_per_row >= 0, got "
+                             f"{flops_per_second!r}, {forward_flops_per_row!r}")
+        forward = forward_flops_per_row / flops_per_second
+        return cls(forward=forward, backward=2 * forward)
+
+    def start(self, kind: str, rows: int, stage: int = 0) -> float:
+        """Called as a forward or backward begins; returns the time it began."""
+        return time.perf_counter()
+
+    def pad(self, kind: str, started: float, rows: int, stage: int = 0,
+            excluded: float = 0.0) -> float:
+        """Sleep until ``duration(kind, rows, stage)`` of compute has passed since
+        ``started``, not counting ``excluded`` seconds spent communicating in between (a
+        device does not compute while it waits for a tensor-parallel all-reduce).
+        Returns the seconds slept; negative: the real compute overran the emulated time."""
+        left = self.duration(kind, rows, stage) - (time.perf_counter() - started - excluded)
         if left > 0:
             time.sleep(left)
+        return left
 
     def describe(self) -> str:
         text = (f"emulated stage cost (time.sleep): forward {self.forward * 1e3:g} ms/row, "
@@ -76,6 +100,78 @@ class StageCost:
         for stage, f in self.slow:
             text += f";\n  stage {stage} {f:g}x slower"
         return text
+
+
+class PacedCost:
+    """Emulated compute for a rank whose forward and backward contain communication points
+    (tensor parallelism's all-reduces inside each layer). The compute between two points
+    is padded to the time of its own FLOPs before the next point starts, so the rank
+    reaches each all-reduce when a device of ``flops_per_second`` would, however the shared
+    cores slowed its real compute (otherwise one rank's slow piece becomes its partner's
+    wait, counted as communication).
+
+    ``forward`` and ``backward`` are the FLOPs per row of the microbatch of each piece, in
+    the order they run: one more piece than points (the last runs after the last point).
+    The object is used as a :class:`StageCost` (``start``, ``pad``); the all-reduce wrapper
+    calls :meth:`before_point` and :meth:`after_point` around each point.
+    """
+
+    def __init__(self, forward: Sequence[float], backward: Sequence[float],
+                 flops_per_second: float) -> None:
+        if not flops_per_second > 0 or min([*forward, *backward]) < 0:
+            raise ValueError("need flops_per_second > 0 and pieces of >= 0 FLOPs")
+        self.pieces = {"forward": list(forward), "backward": list(backward)}
+        self.rate = flops_per_second
+        self._due: list[float] = []  # emulated seconds from the span's start, per point
+        self._total = 0.0
+        self._index = self._comm = self._started = self._point = 0.0
+        self._active = False
+        self.points = 0  # communication points paced at
+        self.late = 0  # of them, reached later than due (real compute outlasted its piece)
+
+    def duration(self, kind: str, rows: int, stage: int = 0) -> float:
+        return sum(self.pieces[kind]) * rows / self.rate
+
+    def start(self, kind: str, rows: int, stage: int = 0) -> float:
+        seconds = [f * rows / self.rate for f in self.pieces[kind]]
+        self._due = [sum(seconds[:i + 1]) for i in range(len(seconds) - 1)]
+        self._total = sum(seconds)
+        self._index, self._comm, self._active = 0, 0.0, True
+        self._started = time.perf_counter()
+        return self._started
+
+    def before_point(self) -> None:
+        """Pad the compute since the span began to the emulated time due at this point."""
+        if not self._active:
+            return
+        if self._index < len(self._due):
+            used = time.perf_counter() - self._started - self._comm
+            if self._due[self._index] > used:
+                time.sleep(self._due[self._index] - used)
+            elif used - self._due[self._index] > OVERRUN_SLACK:
+                self.late += 1
+            self.points += 1
+            self._index += 1
+        self._point = time.perf_counter()
+
+    def after_point(self) -> None:
+        if self._active:
+            self._comm += time.perf_counter() - self._point
+
+    def pad(self, kind: str, started: float, rows: int, stage: int = 0,
+            excluded: float = 0.0) -> float:
+        """Sleep until the span's whole emulated compute has passed, not counting
+        ``excluded`` seconds of communication; returns the seconds slept (negative: the
+        real compute overran)."""
+        self._active = False
+        left = self._total - (time.perf_counter() - started - excluded)
+        if left > 0:
+            time.sleep(left)
+        return left
+
+    def describe(self) -> str:
+        return (f"emulated device: {self.rate / 1e9:g} GFLOP/s (time.sleep), paced at "
+                f"{len(self.pieces['forward']) - 1} communication points per forward")
 
 
 def default_cost(device: Any) -> StageCost | None:
@@ -99,6 +195,11 @@ _LINK_OPS: dict[str, tuple[str, int, str]] = {
     "all_gather_single": ("all_gather", 0, "output_tensor"),
     "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
     "all_gather": ("all_gather", 0, "tensor_list"),
+    # point-to-point: one message over one link, alpha + beta x bytes
+    "send": ("p2p", 0, "tensor"),
+    "recv": ("p2p", 0, "tensor"),
+    "isend": ("p2p", 0, "tensor"),
+    "irecv": ("p2p", 0, "tensor"),
 }
 _link_stack: list[tuple["SlowLink", dict[str, Any]]] = []
 
@@ -110,14 +211,16 @@ def _message_bytes(message: Any) -> int:
 
 
 class _SlowWork:
-    """An async collective's handle whose ``wait()`` returns no earlier than ``ready``."""
+    """An async call's handle whose ``wait()`` returns no earlier than ``ready``, and at
+    least ``after`` seconds after the real wait returned (a receive: the data has to
+    arrive before the link's time starts)."""
 
-    def __init__(self, work: Any, ready: float) -> None:
-        self._work, self._ready = work, ready
+    def __init__(self, work: Any, ready: float, after: float = 0.0) -> None:
+        self._work, self._ready, self._after = work, ready, after
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         out = self._work.wait(*args, **kwargs)
-        left = self._ready - time.perf_counter()
+        left = max(self._ready - time.perf_counter(), self._after)
         if left > 0:
             time.sleep(left)
         return out
@@ -135,6 +238,8 @@ class SlowLink:
     adds 2(N-1) alpha + 2(N-1)/N B beta, a reduce-scatter or all-gather half that). It is a
     ``time.sleep`` after the real call, so it scales with the bytes and the message count
     the way a real link's time does; the emulated link is the real one plus this much.
+    Point-to-point messages (``send``, ``recv`` and their async forms) add one message's
+    alpha + B beta, paid by the sender and again by the receiver after the data arrives.
 
     An asynchronous call's ``wait()`` returns no earlier than the emulated time after the
     call (so compute in between hides it, as on a real link). On a GPU the device is
@@ -147,7 +252,9 @@ class SlowLink:
     beta: float = 0.0
 
     def extra_seconds(self, op: str, nbytes: float, n: int) -> float:
-        """The emulated time one collective adds (the alpha-beta ring formula)."""
+        """The emulated time one collective (or, with ``op="p2p"``, one message) adds."""
+        if op == "p2p":
+            return message_time(nbytes, self.alpha, self.beta)
         return collective_time(op, nbytes, n, self.alpha, self.beta)
 
     def describe(self) -> str:
@@ -164,11 +271,14 @@ class SlowLink:
         def slowed(*args: Any, **kwargs: Any) -> Any:
             message = args[index] if len(args) > index else kwargs.get(key)
             group = kwargs.get("group")
-            n = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            n = (2 if op == "p2p" else dist.get_world_size(group) if group is not None
+                 else dist.get_world_size())
             extra = self.extra_seconds(op, _message_bytes(message), n)
             called = time.perf_counter()
             result = original(*args, **kwargs)
-            if kwargs.get("async_op", False) and result is not None:
+            if name == "irecv" and result is not None:
+                return _SlowWork(result, called, after=extra)
+            if (name == "isend" or kwargs.get("async_op", False)) and result is not None:
                 return _SlowWork(result, called + extra)
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()
@@ -196,4 +306,4 @@ class SlowLink:
             setattr(dist, name, original)
 
 
-__all__ = ["SlowLink", "StageCost", "default_cost"]
+__all__ = ["PacedCost", "SlowLink", "StageCost", "default_cost"]

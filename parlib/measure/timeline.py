@@ -92,6 +92,11 @@ class Recorder:
     def count(self, peer: int, nbytes: int, sent: bool) -> None:
         (self.sent if sent else self.received)[peer] += int(nbytes)
 
+    def seconds_since(self, start: float) -> float:
+        """Total duration of the spans recorded that began at or after ``start`` (those
+        nested in a span still open, such as the all-reduces inside a forward)."""
+        return sum(s.duration for s in self.spans if s.start >= start)
+
 
 # --------------------------------------------------------------------------- analysis
 

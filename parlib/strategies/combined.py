@@ -19,7 +19,7 @@ Every piece is an earlier chapter's, handed its group: :func:`build_3d` cuts a
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlib.cost import predicted_sent_bytes
+from parlib.measure.emulation import PacedCost, StageCost
 from parlib.measure.memory import SavedActivations, param_bytes
 from parlib.measure.timeline import Recorder, Span
 from parlib.model import ModelConfig, build_model, make_batch, make_optimizer, train_step
@@ -71,19 +72,30 @@ def split_dims(stage: Stage) -> dict[str, int | None]:
 def train_step_3d(stage: Stage, mesh: Mesh, optimizer: torch.optim.Optimizer,
                   tokens: torch.Tensor, targets: torch.Tensor, m: int, *,
                   recorder: Recorder | None = None,
-                  memory: SavedActivations | None = None) -> float | None:
+                  memory: SavedActivations | None = None,
+                  cost: StageCost | PacedCost | None = None,
+                  sync: Callable[[], Any] | None = None,
+                  mean_loss: bool = True) -> float | None:
     """One 3-D step on the global batch (tokens, targets): this dp rank's rows, 1F1B over
     m microbatches, gradients averaged over the dp group, optimizer step. Returns the
-    global batch's mean loss on the last stage's ranks, None on the others."""
+    global batch's mean loss on the last stage's ranks, None on the others.
+
+    ``cost``: an emulated compute time for each forward and backward (chapter 03).
+    ``sync``: pools the gradients instead of one all-reduce per parameter (for example a
+    :class:`~parlib.strategies.data.Bucketed` over ``mesh.group("dp")``).
+    ``mean_loss=False`` skips the loss's all-reduce and returns this rank's own loss."""
     optimizer.zero_grad(set_to_none=True)
     x = shard_rows(tokens, mesh.coord("dp"), mesh.dp)
     y = shard_rows(targets, mesh.coord("dp"), mesh.dp)
     ops = one_f_one_b(mesh.pp, m, mesh.coord("pp"))
-    loss = run_schedule(stage, ops, x, y, m, recorder=recorder, memory=memory)
-    allreduce_gradients(stage, group=mesh.group("dp"))
+    loss = run_schedule(stage, ops, x, y, m, recorder=recorder, memory=memory, cost=cost)
+    if sync is not None:
+        sync()
+    else:
+        allreduce_gradients(stage, group=mesh.group("dp"))
     optimizer.step()
-    if loss is None:
-        return None
+    if loss is None or not mean_loss:
+        return loss
     total = torch.tensor([loss], device=next(stage.parameters()).device)
     dist.all_reduce(total, group=mesh.group("dp"))  # the mean of d equal-sized means
     return total.item() / mesh.dp
@@ -93,11 +105,13 @@ def train_step_3d(stage: Stage, mesh: Mesh, optimizer: torch.optim.Optimizer,
 
 
 @contextmanager
-def axis_traffic(mesh: Mesh, recorder: Recorder) -> Iterator[dict[str, dict[str, float]]]:
+def axis_traffic(mesh: Mesh, recorder: Recorder, pacer: PacedCost | None = None
+                 ) -> Iterator[dict[str, dict[str, float]]]:
     """While active, every ``dist.all_reduce`` on this rank is timed into ``recorder`` as a
     span of kind "tp" or "dp" (by the mesh group it ran on) and counted: the yielded dict
     gets, per axis, ``calls``, ``message_bytes`` and ``sent_bytes`` (the ring all-reduce's
-    2(N-1)/N of each message, :func:`parlib.cost.predicted_sent_bytes`)."""
+    2(N-1)/N of each message, :func:`parlib.cost.predicted_sent_bytes`). A ``pacer``
+    (emulated compute) is told when each tensor-parallel all-reduce begins and ends."""
     groups = {"tp": mesh.group("tp"), "dp": mesh.group("dp")}
     counts = {axis: {"calls": 0, "message_bytes": 0, "sent_bytes": 0.0} for axis in groups}
     original = dist.all_reduce
@@ -106,9 +120,13 @@ def axis_traffic(mesh: Mesh, recorder: Recorder) -> Iterator[dict[str, dict[str,
         axis = next((a for a, g in groups.items() if g is group), None)
         if axis is None:
             return original(tensor, *args, group=group, **kwargs)
+        if pacer is not None and axis == "tp":
+            pacer.before_point()
         t0 = recorder._now()
         out = original(tensor, *args, group=group, **kwargs)
         recorder.spans.append(Span(recorder.rank, axis, t0, recorder._now()))
+        if pacer is not None and axis == "tp":
+            pacer.after_point()
         nbytes = tensor.numel() * tensor.element_size()
         n = mesh.size(axis)
         counts[axis]["calls"] += 1

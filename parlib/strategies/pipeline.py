@@ -189,6 +189,12 @@ def run_schedule(
     def span(kind: str, mb: int) -> Any:
         return rec.span(kind, mb) if rec is not None else nullcontext()
 
+    def nested(since: float) -> float:  # communication recorded inside a compute span
+        return rec.seconds_since(since) if rec is not None else 0.0
+
+    def begin(kind: str, rows: int) -> float:  # a forward or backward starts now
+        return cost.start(kind, rows, stage.rank) if cost is not None else time.perf_counter()
+
     def send(t: torch.Tensor, dst: int, mb: int) -> None:
         t = t.detach().contiguous()
         with span("send", mb):
@@ -212,13 +218,13 @@ def run_schedule(
             else:
                 x = recv(stage.prev_rank, i).requires_grad_()
             with span(FORWARD, i):
-                t0 = time.perf_counter()
+                t0 = begin(FORWARD, xs[i].shape[0])
                 with mem:
                     y = stage(x)
                     if stage.is_last:
                         y = loss_fn(y, ys[i].to(device)) / m
                 if cost is not None:
-                    cost.pad(FORWARD, t0, xs[i].shape[0], stage.rank)
+                    cost.pad(FORWARD, t0, xs[i].shape[0], stage.rank, nested(t0))
             inputs[i], outputs[i] = x, y
             if stage.is_last:
                 loss_total += y.item()
@@ -227,10 +233,10 @@ def run_schedule(
         elif op.kind == BACKWARD:
             grad = None if stage.is_last else recv(stage.next_rank, i)
             with span(BACKWARD, i):
-                t0 = time.perf_counter()
+                t0 = begin(BACKWARD, xs[i].shape[0])
                 torch.autograd.backward(outputs.pop(i), grad)
                 if cost is not None:
-                    cost.pad(BACKWARD, t0, xs[i].shape[0], stage.rank)
+                    cost.pad(BACKWARD, t0, xs[i].shape[0], stage.rank, nested(t0))
             x = inputs.pop(i)
             if not stage.is_first:
                 send(x.grad, stage.prev_rank, i)

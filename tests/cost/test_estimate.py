@@ -45,6 +45,15 @@ def test_hand_worked_layout():
     assert est.mfu == pytest.approx(663552 / (est.step_time * 4 * 1e9))
 
 
+def test_sync_after_backward_hides_nothing():
+    kw = dict(d=2, t=2, p=1, m=2, global_batch=8, mixed_precision=False)
+    overlapped = estimate(TOY, TOY_CLUSTER, **kw)
+    after = estimate(TOY, TOY_CLUSTER, dp_overlap=False, **kw)
+    assert after.time["dp_sync_hidden"] == 0
+    assert after.time["dp_sync"] == after.time["dp_sync_total"] == pytest.approx(96.16e-6)
+    assert after.step_time == pytest.approx(overlapped.step_time + 79.36e-6)
+
+
 def test_parts_add_up_and_dicts_are_complete():
     est = estimate(TOY, TOY_CLUSTER, d=1, t=2, p=2, m=4, global_batch=8, zero=0,
                    recompute="selective")

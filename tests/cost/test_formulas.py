@@ -106,6 +106,24 @@ def test_tiny_model_parameter_count_matches_torch():
     assert Model.from_config(ModelConfig()).n_params == 867_328  # 4 x 198,272 + 40,960 + 33,280
 
 
+def test_rank_flops_split_the_model_flops():
+    from parlib.model import ModelConfig
+
+    tiny = Model.from_config(ModelConfig())
+    whole = tiny.rank_forward_flops_per_token(layers=tiny.n_layers, head=True)
+    assert whole == tiny.forward_flops_per_token
+    attention, mlp = tiny.layer_forward_flops_per_token()
+    # h = 128, s = 64: attention 2 x 4h^2 + 4sh = 163,840; MLP 2 x 8h^2 = 262,144
+    assert (attention, mlp) == (163_840, 262_144)
+    assert tiny.layer_forward_flops_per_token(4) == (attention / 4, mlp / 4)
+    # p = 2, t = 2: each rank 2 layers split 2 ways; the last stage adds the whole head
+    first = tiny.rank_forward_flops_per_token(layers=2, t=2)
+    last = tiny.rank_forward_flops_per_token(layers=2, t=2, head=True)
+    assert first == 2 * (attention + mlp) / 2 and last - first == 2 * 256 * 128
+    with pytest.raises(ValueError, match="layers"):
+        tiny.rank_forward_flops_per_token(layers=5)
+
+
 def test_llama_3_405b_parameter_count():
     # Dubey et al. 2024, Table 3: 126 layers, 16384, FFN 53248, 128 heads, 8 KV heads, 128K vocab
     llama = Model(126, 16384, 128, 8192, 128000, ffn_dim=53248, n_kv_heads=8, gated_mlp=True,

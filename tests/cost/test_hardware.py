@@ -55,3 +55,13 @@ def test_measured_here_recovers_the_link_from_an_all_reduce_fit():
     assert here.peak_flops == 2e10 and math.isinf(here.memory_bytes)
     with pytest.raises(ValueError, match="slope"):
         Cluster.measured_here(4, allreduce_fit=(1e-4, -1e-9), fit_ranks=4, flops_per_second=1e9)
+
+
+def test_slowed_link_adds_times():
+    from parlib.cost import Link
+
+    link = Link(alpha=1e-5, bandwidth=1e9).slowed_by(4e-5, 1e-9)
+    assert link.alpha == pytest.approx(5e-5)
+    assert link.beta == pytest.approx(2e-9)  # 1 ns/B + 1 ns/B: half the bandwidth
+    with pytest.raises(ValueError, match=">= 0"):
+        Link(1e-5, 1e9).slowed_by(-1.0, 0.0)

@@ -66,3 +66,28 @@ def test_blocks_close_in_reverse_order():
         outer.__exit__(None, None, None)
     inner.__exit__(None, None, None)
     outer.__exit__(None, None, None)
+
+
+def _slowed_p2p():
+    rank = dist.get_rank()
+    t = torch.ones(2**16)  # 256 KiB
+    with SlowLink(ALPHA, BETA) as link:
+        extra = link.extra_seconds("p2p", t.numel() * 4, 2)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            work = dist.isend(t, 1)
+            issued = time.perf_counter() - t0
+            work.wait()
+        else:
+            dist.recv(t, 0)
+            issued = 0.0
+        took = time.perf_counter() - t0
+    return extra, issued, took
+
+
+def test_point_to_point_messages_pay_one_message_time():
+    (extra, issued, sent), (_, _, received) = parlib.launch(_slowed_p2p, world_size=2)
+    assert extra == pytest.approx(ALPHA + BETA * 2**18)  # alpha + beta x bytes
+    assert issued < extra <= sent      # isend returns at once; its wait pays the link
+    assert received >= extra           # the receiver pays it after the data arrives

@@ -1,0 +1,377 @@
+"""Chapter 05's experiment: layouts of the tiny model predicted by the cost model, then run
+with chapter 04's code on the ranks here, side by side.
+
+Two cores cannot run four devices at once, so each rank plays an **emulated device** of
+``flops_per_second``: its real forward and backward run, then a sleep pads each to the time
+such a device would take for the FLOPs this rank does (its layers split t ways, plus the
+output layer on the last stage; chapter 03's :class:`~parlib.measure.emulation.StageCost`,
+now per FLOP). Time the rank spends in tensor-parallel all-reduces inside a forward or
+backward is not padded over, as on a real device. Communication is real (gloo here), and
+``link=(alpha, beta)`` adds an emulated slower link on top
+(:class:`~parlib.measure.emulation.SlowLink`, which also slows the pipeline's sends).
+
+The gradient sync is one flat all-reduce after backward (:class:`Bucketed` with a single
+bucket), so the prediction uses ``estimate(..., dp_overlap=False)``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parlib.cost import Cluster, Model, estimate
+from parlib.cost.estimate import Estimate
+from parlib.measure.emulation import OVERRUN_SLACK, PacedCost, SlowLink, StageCost
+from parlib.measure.links import LinkFit, fit_link, load_link, time_all_reduce
+from parlib.measure.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
+from parlib.measure.timeline import Recorder
+from parlib.model import ModelConfig, build_model, make_batch, train_step
+from parlib.runtime.group import launch
+from parlib.runtime.policy import device as this_device
+from parlib.strategies.combined import axis_traffic, build_3d, shard_of, split_dims, train_step_3d
+from parlib.strategies.data import Bucketed
+from parlib.strategies.mesh import Mesh
+
+# Six ways to lay the tiny model on 4 ranks; m is microbatches per data-parallel rank.
+LAYOUTS: tuple[dict[str, int], ...] = (
+    {"d": 4, "t": 1, "p": 1, "m": 1},
+    {"d": 2, "t": 2, "p": 1, "m": 1},
+    {"d": 2, "t": 1, "p": 2, "m": 4},
+    {"d": 1, "t": 1, "p": 4, "m": 4},
+    {"d": 1, "t": 4, "p": 1, "m": 1},
+    {"d": 1, "t": 2, "p": 2, "m": 4},
+)
+
+
+def make_adam(params: Sequence[torch.Tensor] | Any) -> torch.optim.Optimizer:
+    """Adam, whose two moments are what the cost model's memory counts (8 bytes per fp32
+    parameter), in its fused form: one pass over the parameters, the fastest on CPU too."""
+    return torch.optim.Adam(params, lr=1e-3, fused=True)
+
+
+def layout_name(layout: dict[str, int]) -> str:
+    """"t=2 x d=2", "p=4", ...: the axes bigger than one."""
+    parts = [f"{k}={layout[k]}" for k in ("t", "p", "d") if layout[k] > 1]
+    return " x ".join(parts) or "one device"
+
+
+def _check_layouts(layouts: Sequence[dict[str, int]], world_size: int, cfg: ModelConfig,
+                   global_batch: int) -> None:
+    for lay in layouts:
+        if {"d", "t", "p", "m"} - set(lay):
+            raise ValueError(f"a layout needs d, t, p and m, got {lay}")
+        if lay["d"] * lay["t"] * lay["p"] != world_size:
+            raise ValueError(f"{layout_name(lay)}: d x t x p = "
+                             f"{lay['d'] * lay['t'] * lay['p']}, not the {world_size} ranks")
+        if global_batch % (lay["d"] * lay["m"]):
+            raise ValueError(f"{layout_name(lay)}: global_batch {global_batch} is not "
+                             f"divisible by d x m = {lay['d'] * lay['m']}")
+        if cfg.n_heads % lay["t"] or cfg.n_layers % lay["p"]:
+            raise ValueError(f"{layout_name(lay)}: t must divide {cfg.n_heads} heads and p "
+                             f"{cfg.n_layers} layers")
+
+
+# --------------------------------------------------------------------------- on the ranks
+
+
+def _nothing() -> None:
+    pass
+
+
+def emulated_device(model: Model, *, t: int, p: int, last: bool,
+                    flops_per_second: float) -> StageCost | PacedCost:
+    """The emulated compute of one rank holding ``model.n_layers / p`` layers split t ways
+    (and the output layer if ``last``). With t > 1 each layer's attention and MLP halves
+    end in an all-reduce, so the compute is paced at those points: forward runs attention,
+    MLP, attention, MLP, ... then the output layer; backward runs the output layer and the
+    last MLP, then attention, MLP, ... back to the first attention. Backward pieces cost
+    twice their forward."""
+    layers, s = model.n_layers // p, model.seq_len
+    head = model.rank_forward_flops_per_token(layers=0, head=last) * s
+    if t == 1:
+        return StageCost.for_flops(model.rank_forward_flops_per_token(
+            layers=layers, head=last) * s, flops_per_second)
+    attention, mlp = (f * s for f in model.layer_forward_flops_per_token(t))
+    forward = [attention, mlp] * layers + [head]
+    backward = [head + mlp] + [attention, mlp] * (layers - 1) + [attention, 0.0]
+    return PacedCost(forward, [2 * f for f in backward], flops_per_second)
+
+
+def _parts(rec: Recorder, took: float) -> dict[str, float]:
+    """Seconds of one step by kind: compute (forward and backward, emulated padding
+    included, the all-reduces inside them not), tp, recv (waiting for a neighbour, link
+    time included), dp, and other (the optimizer step, copies, the rest)."""
+    total = {k: 0.0 for k in ("compute", "tp", "recv", "dp")}
+    for span in rec.spans:
+        kind = "compute" if span.kind in ("forward", "backward") else span.kind
+        if kind in total:
+            total[kind] += span.duration
+    total["compute"] -= total["tp"]
+    total["other"] = took - sum(total.values())
+    return total
+
+
+class _CountedCost:
+    """An emulated cost that counts the pads where real compute overran the emulated time."""
+
+    def __init__(self, cost: StageCost | PacedCost) -> None:
+        self.cost, self.calls, self.overruns = cost, 0, 0
+
+    def start(self, *args: Any) -> float:
+        return self.cost.start(*args)
+
+    def pad(self, *args: Any, **kwargs: Any) -> float:
+        left = self.cost.pad(*args, **kwargs)
+        self.calls += 1
+        self.overruns += left < -OVERRUN_SLACK
+        return left
+
+    @property
+    def late(self) -> int:
+        """Overruns: at the ends of forwards and backwards, and (paced) at all-reduces."""
+        return self.overruns + getattr(self.cost, "late", 0)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces of emulated compute: forwards and backwards, and the paced pieces."""
+        return self.calls + getattr(self.cost, "points", 0)
+
+
+def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
+                      cfg: ModelConfig | None = None, global_batch: int = 8,
+                      flops_per_second: float | None, link: tuple[float, float] | None = None,
+                      reference: dict[str, Any], tolerance: tuple[float, float],
+                      repeats: int = 5, warmup: int = 1, seed: int = 0) -> list[dict[str, Any]]:
+    """Run on every rank of ``parlib.launch``: for each layout, one step checked against
+    ``reference`` (:func:`reference_step`; ``tolerance`` = (rtol, atol)), with its memory
+    measured, then ``warmup`` + ``repeats`` timed steps.
+
+    ``flops_per_second``: the emulated device's rate (None: real compute, for one device
+    per rank). ``link``: (alpha, beta) of an emulated slower link added to every message.
+    Returns one dict per layout: ``seconds`` (per timed step, this rank), ``memory``
+    (params, grads, optimizer, activations: bytes), ``worst`` (largest gradient error),
+    ``ok``, ``pieces`` and ``overruns`` (pieces of emulated compute, and those the real
+    compute outlasted).
+    """
+    cfg = cfg or ModelConfig()
+    world = dist.get_world_size()
+    _check_layouts(layouts, world, cfg, global_batch)
+    rtol, atol = tolerance
+    dev = this_device()
+    shape = Model.from_config(cfg)
+    out = []
+    for lay in layouts:
+        d, t, p, m = lay["d"], lay["t"], lay["p"], lay["m"]
+        mesh = Mesh(dp=d, pp=p, tp=t)
+        stage = build_3d(mesh, cfg, seed, dev)
+        params = list(stage.parameters())
+        optimizer = make_adam(params)
+        # one flat all-reduce of every gradient (nothing to pool for d = 1)
+        sync = (Bucketed(params, bucket_mb=1e9, group=mesh.group("dp"), first_bucket_mb=None)
+                if d > 1 else _nothing)
+
+        # 1. one step, checked against the single device, with its memory measured
+        tokens, targets = make_batch(global_batch, cfg, 0, seed)
+        tracker = SavedActivations(stage)
+        train_step_3d(stage, mesh, optimizer, tokens.to(dev), targets.to(dev), m,
+                      memory=tracker, sync=sync, mean_loss=False)
+        worst, ok = 0.0, True
+        dims = split_dims(stage)
+        for name, g in stage.grads().items():
+            want = shard_of(reference["grads"][name], dims[name], mesh.coord("tp"), t)
+            g = g.detach().cpu()
+            worst = max(worst, (g - want).abs().max().item())
+            ok = ok and torch.allclose(g, want, rtol=rtol, atol=atol)
+        memory = {"params": param_bytes(params), "grads": grad_bytes(params),
+                  "optimizer": optimizer_state_bytes(optimizer),
+                  "activations": tracker.peak}
+
+        # 2. timed steps on the emulated device (and link)
+        device_cost = (None if flops_per_second is None else
+                       emulated_device(shape, t=t, p=p, last=stage.is_last,
+                                       flops_per_second=flops_per_second))
+        cost = _CountedCost(device_cost) if device_cost is not None else None
+        pacer = device_cost if isinstance(device_cost, PacedCost) else None
+        seconds, parts = [], []
+        with SlowLink(*link) if link else nullcontext():
+            for step in range(warmup + repeats):
+                tokens, targets = make_batch(global_batch, cfg, step + 1, seed)
+                rec = Recorder(mesh.rank, dev)
+                with axis_traffic(mesh, rec, pacer):  # times the all-reduces; pads skip them
+                    dist.barrier()
+                    start = time.perf_counter()
+                    train_step_3d(stage, mesh, optimizer, tokens.to(dev), targets.to(dev), m,
+                                  recorder=rec, cost=cost, sync=sync, mean_loss=False)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize(dev)
+                    took = time.perf_counter() - start
+                if step >= warmup:
+                    seconds.append(took)
+                    parts.append(_parts(rec, took))
+        out.append({"layout": dict(lay), "seconds": seconds, "parts": parts, "memory": memory,
+                    "worst": worst, "ok": ok, "pieces": cost.pieces if cost else 0,
+                    "overruns": cost.late if cost else 0})
+        dist.barrier()
+    return out
+
+
+# --------------------------------------------------------------------------- in the kernel
+
+
+def reference_step(cfg: ModelConfig | None = None, *, global_batch: int = 8,
+                   seed: int = 0) -> dict[str, Any]:
+    """The first step on one device: ``grads`` by name (what every layout must match)."""
+    model = build_model(cfg, seed)
+    x, y = make_batch(global_batch, cfg or ModelConfig(), 0, seed)
+    loss = train_step(model, make_adam(model.parameters()), x, y)
+    return {"loss": loss,
+            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+def compute_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repeats: int = 7,
+                 seed: int = 0) -> float:
+    """FLOP/s of the whole model's training step in this process (median of ``repeats``),
+    counting the cost model's FLOPs (``Model.flops_per_token``)."""
+    cfg = cfg or ModelConfig()
+    model = build_model(cfg, seed)
+    optimizer = make_adam(model.parameters())
+    x, y = make_batch(global_batch, cfg, 0, seed)
+    train_step(model, optimizer, x, y)  # first call: allocations, optimizer state
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        train_step(model, optimizer, x, y)
+        seconds.append(time.perf_counter() - start)
+    flops = Model.from_config(cfg).flops_per_token * global_batch * cfg.seq_len
+    return flops / statistics.median(seconds)
+
+
+def measured_link(n: int = 4, *, backend: str | None = None, timeout: float = 300.0
+                  ) -> tuple[LinkFit, str]:
+    """Chapter 00's saved all-reduce fit on ``n`` ranks (and ``backend``), or, when there is
+    none, a quick fit measured now on ``n`` launched ranks; with a word on which it is."""
+    fit = load_link(n, backend=backend)
+    if fit is not None:
+        return fit, "chapter 00's fit"
+    sizes = [2**k for k in range(10, 23, 3)]  # 1 KiB to 4 MiB
+    seconds, spread, dev, used = launch(time_all_reduce, sizes, rounds=3, world_size=n,
+                                        backend=backend, timeout=timeout)[0]
+    fit = fit_link(n, sizes, seconds, spread=spread, device=dev, backend=used)
+    return fit, "a quick fit made now"
+
+
+def predict(layouts: Sequence[dict[str, int]], cluster: Cluster, *,
+            cfg: ModelConfig | None = None, global_batch: int = 8) -> list[Estimate]:
+    """The cost model's estimate of each layout as this experiment runs it: fp32, Adam,
+    no ZeRO, no recomputation, no sequence parallelism, the sync after backward."""
+    model = Model.from_config(cfg or ModelConfig())
+    return [estimate(model, cluster, d=lay["d"], t=lay["t"], p=lay["p"], m=lay["m"],
+                     global_batch=global_batch, mixed_precision=False,
+                     sequence_parallel=False, dp_overlap=False) for lay in layouts]
+
+
+def measured(results: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per layout, from every rank's :func:`rank_time_layouts` result: ``step_time`` (the
+    median over steps of the slowest rank's time), ``spread`` (interquartile range of those
+    per-step times, over the median), ``memory`` (the rank holding the most: bytes by
+    part), ``parts`` (seconds by kind, see ``_parts``: per kind the largest over ranks of
+    its median over steps), ``ok``, ``worst``, ``overruns`` and ``pieces``."""
+    rows = []
+    for per_rank in zip(*results):
+        steps = [max(times) for times in zip(*(r["seconds"] for r in per_rank))]
+        med = statistics.median(steps)
+        q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [med] * 3
+        heaviest = max(per_rank, key=lambda r: sum(r["memory"].values()))
+        parts = {k: max(statistics.median(step[k] for step in r["parts"]) for r in per_rank)
+                 for k in per_rank[0]["parts"][0]}
+        rows.append({"layout": per_rank[0]["layout"], "step_time": med,
+                     "spread": (q[2] - q[0]) / med, "steps": steps, "parts": parts,
+                     "memory": heaviest["memory"],
+                     "ok": all(r["ok"] for r in per_rank),
+                     "worst": max(r["worst"] for r in per_rank),
+                     "overruns": sum(r["overruns"] for r in per_rank),
+                     "pieces": sum(r["pieces"] for r in per_rank)})
+    return rows
+
+
+def rank_order(values: Sequence[float]) -> list[int]:
+    """Indices of ``values`` from smallest to largest."""
+    return sorted(range(len(values)), key=values.__getitem__)
+
+
+def agreement(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]], *,
+              band: float = 0.25, separated: float = 0.10) -> dict[str, Any]:
+    """How far predictions and measurements agree: ``ratios`` (measured / predicted),
+    ``within`` (how many ratios lie within 1 +- ``band``), ``pairs`` and ``pairs_same``
+    (pairs of layouts, and those that prediction and measurement order alike),
+    ``separated`` and ``separated_same`` (the same over the pairs the prediction puts more
+    than ``separated`` apart), ``best`` (predicted, measured: the fastest layout's index)."""
+    pred = [e.step_time for e in estimates]
+    meas = [r["step_time"] for r in rows]
+    ratios = [m / p for m, p in zip(meas, pred)]
+    pairs = [(i, j) for i in range(len(pred)) for j in range(i + 1, len(pred))]
+    same = [(i, j) for i, j in pairs if (pred[i] < pred[j]) == (meas[i] < meas[j])]
+    apart = [(i, j) for i, j in pairs
+             if max(pred[i], pred[j]) > (1 + separated) * min(pred[i], pred[j])]
+    return {"ratios": ratios, "within": sum(abs(r - 1) <= band for r in ratios),
+            "pairs": len(pairs), "pairs_same": len(same), "separated": len(apart),
+            "separated_same": len(set(apart) & set(same)),
+            "best": (rank_order(pred)[0], rank_order(meas)[0])}
+
+
+def table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
+    """Predicted against measured step time (ms) and memory (MiB) per layout."""
+    lines = [f"{'layout':<10} {'predicted':>9} {'measured':>9} {'spread':>6} {'ratio':>6}   "
+             f"{'states MiB':>10} {'pred':>6} {'act. MiB':>8} {'pred':>6}"]
+    for e, r in zip(estimates, rows):
+        mem = r["memory"]
+        states = mem["params"] + mem["grads"] + mem["optimizer"]
+        pred_states = e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]
+        pred_act = e.memory["activations"] + e.memory["pipeline_in_flight"]
+        lines.append(
+            f"{layout_name(r['layout']):<10} {e.step_time * 1e3:>9.0f} "
+            f"{r['step_time'] * 1e3:>9.0f} {r['spread']:>6.0%} "
+            f"{r['step_time'] / e.step_time:>6.2f}   {states / 2**20:>10.2f} "
+            f"{pred_states / 2**20:>6.2f} {mem['activations'] / 2**20:>8.2f} "
+            f"{pred_act / 2**20:>6.2f}")
+    return "\n".join(lines)
+
+
+
+def parts_table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
+    """Where the step goes (ms), predicted / measured: compute, tensor-parallel all-reduces,
+    pipeline (bubble and sends predicted; waiting to receive measured), gradient sync, and
+    the rest (measured only: optimizer step, copies)."""
+    lines = [f"{'layout':<10} {'compute':>11} {'tp':>11} {'pipeline':>11} {'dp':>11} "
+             f"{'other':>6}"]
+    for e, r in zip(estimates, rows):
+        pred = {"compute": e.time["compute"], "tp": e.time["tp_comm"],
+                "recv": e.time["pp_bubble"] + e.time["pp_send"], "dp": e.time["dp_sync"]}
+        cells = [f"{pred[k] * 1e3:>5.0f}/{r['parts'][k] * 1e3:<5.0f}" for k in pred]
+        lines.append(f"{layout_name(r['layout']):<10} {' '.join(cells)} "
+                     f"{r['parts']['other'] * 1e3:>6.0f}")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "LAYOUTS",
+    "agreement",
+    "compute_rate",
+    "emulated_device",
+    "make_adam",
+    "layout_name",
+    "measured",
+    "measured_link",
+    "parts_table",
+    "predict",
+    "rank_order",
+    "rank_time_layouts",
+    "reference_step",
+    "table",
+]

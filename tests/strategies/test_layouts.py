@@ -1,0 +1,115 @@
+"""Chapter 05's experiment: layouts predicted, then run on emulated devices and checked."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import parlib
+from parlib import verify
+from parlib.cost import Cluster, Link, Model
+from parlib.measure.emulation import PacedCost, StageCost
+from parlib.model import ModelConfig
+from parlib.strategies import layouts as L
+
+SMALL = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
+TWO_RANKS = ({"d": 2, "t": 1, "p": 1, "m": 1}, {"d": 1, "t": 2, "p": 1, "m": 1},
+             {"d": 1, "t": 1, "p": 2, "m": 2})
+
+
+def test_the_six_layouts_are_every_split_of_four():
+    every = {(d, t, p) for d, t, p in itertools.product((1, 2, 4), repeat=3) if d * t * p == 4}
+    assert {(x["d"], x["t"], x["p"]) for x in L.LAYOUTS} == every and len(L.LAYOUTS) == 6
+    assert [L.layout_name(x) for x in L.LAYOUTS[:2]] == ["d=4", "t=2 x d=2"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"d": 2, "t": 1, "p": 1, "m": 1}, "not the 4 ranks"),
+    ({"d": 4, "t": 1, "p": 1, "m": 3}, "not divisible"),
+    ({"d": 1, "t": 1, "p": 4}, "needs d, t, p and m"),
+])
+def test_impossible_layouts_are_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        L._check_layouts([bad], 4, ModelConfig(), 8)
+
+
+@pytest.mark.parametrize("t, p, last", [(1, 1, True), (2, 1, True), (4, 1, True),
+                                        (2, 2, False), (2, 2, True)])
+def test_emulated_device_does_the_ranks_flops(t, p, last):
+    model = Model.from_config(ModelConfig())
+    device = L.emulated_device(model, t=t, p=p, last=last, flops_per_second=1e9)
+    forward = model.rank_forward_flops_per_token(layers=4 // p, t=t, head=last) * 64 / 1e9
+    assert device.duration("forward", 3) == pytest.approx(3 * forward)
+    assert device.duration("backward", 3) == pytest.approx(6 * forward)
+    if t == 1:
+        assert isinstance(device, StageCost)
+    else:  # one piece more than the two all-reduces per layer, each way
+        assert isinstance(device, PacedCost)
+        assert len(device.pieces["forward"]) == len(device.pieces["backward"]) == 2 * 4 // p + 1
+
+
+def test_agreement_counts_pairs_and_band():
+    est = [SimpleNamespace(step_time=x) for x in (1.0, 2.0, 2.1, 4.0)]
+    rows = [{"step_time": x} for x in (1.2, 2.6, 2.4, 3.9)]  # the close pair swapped
+    agree = L.agreement(est, rows)
+    assert agree["within"] == 3                       # 1.3 is outside 1 +- 0.25
+    assert (agree["pairs"], agree["pairs_same"]) == (6, 5)
+    assert (agree["separated"], agree["separated_same"]) == (5, 5)  # 2.0 vs 2.1 is close
+    assert agree["best"] == (0, 0)
+
+
+def test_measured_takes_the_slowest_rank_per_step():
+    def result(seconds, params):
+        return [{"layout": {"d": 2, "t": 1, "p": 1, "m": 1}, "seconds": seconds,
+                 "parts": [{"compute": s, "other": 0.0} for s in seconds],
+                 "memory": {"params": params}, "ok": True, "worst": 0.0, "pieces": 2,
+                 "overruns": 0}]
+    rows = L.measured([result([1.0, 3.0, 2.0], 10), result([2.0, 1.0, 2.5], 20)])
+    assert rows[0]["steps"] == [2.0, 3.0, 2.5] and rows[0]["step_time"] == 2.5
+    assert rows[0]["memory"] == {"params": 20} and rows[0]["pieces"] == 4
+
+
+def test_two_rank_layouts_match_one_device_and_take_their_emulated_time():
+    reference = L.reference_step(SMALL)
+    rate = 2e9
+    cluster = Cluster.measured_here(2, allreduce_fit=(1e-4, 1e-9), fit_ranks=2,
+                                    flops_per_second=rate)
+    results = parlib.launch(L.rank_time_layouts, TWO_RANKS, cfg=SMALL, flops_per_second=rate,
+                            reference=reference, tolerance=(verify.RTOL, verify.ATOL),
+                            repeats=2, warmup=0, world_size=2, timeout=120)
+    rows = L.measured(results)
+    assert all(r["ok"] for r in rows), [r["worst"] for r in rows]
+    for est, row in zip(L.predict(TWO_RANKS, cluster, cfg=SMALL), rows):
+        assert row["step_time"] >= 0.95 * est.time["compute"]  # padded to the device's time
+        assert row["pieces"] > 0
+    # model states: parameters, gradients and Adam's two moments, 16 bytes per parameter
+    whole = Model.from_config(SMALL).n_params * 4
+    states = rows[0]["memory"]
+    assert states["params"] == states["grads"] == whole
+    assert states["optimizer"] >= 2 * whole
+
+
+def test_a_wrong_reference_is_rejected():
+    reference = L.reference_step(SMALL)
+    name = next(iter(reference["grads"]))
+    reference["grads"][name] = reference["grads"][name] + 1e-3 * torch.ones_like(
+        reference["grads"][name])
+    results = parlib.launch(L.rank_time_layouts, TWO_RANKS[1:2], cfg=SMALL,
+                            flops_per_second=None, reference=reference,
+                            tolerance=(verify.RTOL, verify.ATOL), repeats=1, warmup=0,
+                            world_size=2, timeout=120)
+    row = L.measured(results)[0]
+    assert not row["ok"] and row["worst"] >= 1e-3 * 0.99
+
+
+def test_slowed_cluster_prediction_uses_both_links():
+    cluster = Cluster.measured_here(4, allreduce_fit=(1e-3, 1e-9), fit_ranks=4,
+                                    flops_per_second=1e9)
+    slowed = cluster.slowed_by(0.0, 1e-7)
+    assert slowed.inter_node == slowed.intra_node == Link(cluster.intra_node.alpha,
+                                                          1 / (cluster.intra_node.beta + 1e-7))
+    fast, slower = (L.predict(L.LAYOUTS, c) for c in (cluster, slowed))
+    assert all(b.step_time > a.step_time for a, b in zip(fast, slower))
