@@ -16,6 +16,10 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
+# A backward computes the gradients of both a layer's input and its weights: two matmuls
+# for the forward's one.
+BACKWARD_PER_FORWARD = 2
+
 
 @dataclass(frozen=True)
 class Model:
@@ -138,7 +142,7 @@ class Model:
     @property
     def flops_per_token(self) -> int:
         """Training FLOPs per token (forward + backward): 6 x matmul params + 12 x L x s x h."""
-        return 3 * self.forward_flops_per_token
+        return (1 + BACKWARD_PER_FORWARD) * self.forward_flops_per_token
 
     @property
     def layers_forward_flops_per_token(self) -> int:
@@ -175,4 +179,4 @@ def _require_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-__all__ = ["Model"]
+__all__ = ["BACKWARD_PER_FORWARD", "Model"]

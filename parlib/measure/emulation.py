@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parlib.cost.collectives import collective_time, message_time
+from parlib.cost.model import BACKWARD_PER_FORWARD
 from parlib.cost.pipeline import microbatch_time
 
 # Real compute that outlasts its emulated time by less than this is not called an overrun
@@ -71,13 +72,13 @@ class StageCost:
     @classmethod
     def for_flops(cls, forward_flops_per_row: float, flops_per_second: float) -> StageCost:
         """An emulated device of ``flops_per_second``: a forward of b rows takes b x
-        ``forward_flops_per_row`` / rate, a backward twice that (it computes the gradients
-        of both the inputs and the weights), nothing per call."""
+        ``forward_flops_per_row`` / rate, a backward ``BACKWARD_PER_FORWARD`` (2) times that,
+        nothing per call."""
         if not flops_per_second > 0 or forward_flops_per_row < 0:
             raise ValueError(f"need flops_per_second > 0 and forward_flops_per_row >= 0, got "
                              f"{flops_per_second!r}, {forward_flops_per_row!r}")
         forward = forward_flops_per_row / flops_per_second
-        return cls(forward=forward, backward=2 * forward)
+        return cls(forward=forward, backward=BACKWARD_PER_FORWARD * forward)
 
     def start(self, kind: str, rows: int, stage: int = 0) -> float:
         """Called as a forward or backward begins; returns the time it began."""

@@ -5,8 +5,10 @@ Two cores cannot run four devices at once, so each rank plays an **emulated devi
 ``flops_per_second``: its real forward and backward run, then a sleep pads each to the time
 such a device would take for the FLOPs this rank does (its layers split t ways, plus the
 output layer on the last stage; chapter 03's :class:`~parlib.measure.emulation.StageCost`,
-now per FLOP). Time the rank spends in tensor-parallel all-reduces inside a forward or
-backward is not padded over, as on a real device. Communication is real (gloo here), and
+now per FLOP). Under tensor parallelism each piece of compute between two all-reduces is
+padded on its own (:class:`~parlib.measure.emulation.PacedCost`), so a rank reaches every
+all-reduce when a real device would; time inside the all-reduces is not padded over.
+Communication is real (gloo here), and
 ``link=(alpha, beta)`` adds an emulated slower link on top
 (:class:`~parlib.measure.emulation.SlowLink`, which also slows the pipeline's sends).
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 
 from parlib.cost import Cluster, Model, estimate
 from parlib.cost.estimate import Estimate
+from parlib.cost.model import BACKWARD_PER_FORWARD
 from parlib.measure.emulation import OVERRUN_SLACK, PacedCost, SlowLink, StageCost
 from parlib.measure.links import LinkFit, fit_link, load_link, time_all_reduce
 from parlib.measure.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
@@ -56,7 +59,7 @@ def make_adam(params: Sequence[torch.Tensor] | Any) -> torch.optim.Optimizer:
 
 
 def layout_name(layout: dict[str, int]) -> str:
-    """"t=2 x d=2", "p=4", ...: the axes bigger than one."""
+    """The layout named by its axes bigger than one: "t=2 x d=2", "p=4", ..."""
     parts = [f"{k}={layout[k]}" for k in ("t", "p", "d") if layout[k] > 1]
     return " x ".join(parts) or "one device"
 
@@ -91,7 +94,7 @@ def emulated_device(model: Model, *, t: int, p: int, last: bool,
     end in an all-reduce, so the compute is paced at those points: forward runs attention,
     MLP, attention, MLP, ... then the output layer; backward runs the output layer and the
     last MLP, then attention, MLP, ... back to the first attention. Backward pieces cost
-    twice their forward."""
+    ``BACKWARD_PER_FORWARD`` times their forward."""
     layers, s = model.n_layers // p, model.seq_len
     head = model.rank_forward_flops_per_token(layers=0, head=last) * s
     if t == 1:
@@ -100,7 +103,7 @@ def emulated_device(model: Model, *, t: int, p: int, last: bool,
     attention, mlp = (f * s for f in model.layer_forward_flops_per_token(t))
     forward = [attention, mlp] * layers + [head]
     backward = [head + mlp] + [attention, mlp] * (layers - 1) + [attention, 0.0]
-    return PacedCost(forward, [2 * f for f in backward], flops_per_second)
+    return PacedCost(forward, [BACKWARD_PER_FORWARD * f for f in backward], flops_per_second)
 
 
 def _parts(rec: Recorder, took: float) -> dict[str, float]:
