@@ -89,7 +89,8 @@ def start_context() -> Any:
     if "forkserver" not in methods:  # Windows: slower, but safe
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["parlib.runtime.worker"])
+    # torch._dynamo: creating any optimizer imports it (about 2 s); once here, not per rank
+    ctx.set_forkserver_preload(["parlib.runtime.worker", "torch._dynamo"])
     return ctx
 
 

@@ -1,7 +1,8 @@
 """What runs inside each rank process started by :mod:`parlib.runtime.group`.
 
-The forkserver preloads this module, so torch is already imported when a rank is forked
-and a launch costs a fork plus the process-group handshake. Nothing here is public.
+The forkserver preloads this module (and torch._dynamo, which every optimizer imports), so
+torch is already imported when a rank is forked and a launch costs a fork plus the
+process-group handshake. Nothing here is public.
 """
 
 from __future__ import annotations
