@@ -81,9 +81,10 @@ def published_section(args: argparse.Namespace) -> None:
 def layouts_section(args: argparse.Namespace) -> None:
     import parlib
     from parlib import verify
+    from parlib.measure.links import load_or_measure
     from parlib.strategies import layouts as L
 
-    fit, source = L.measured_link(4)
+    fit, source = load_or_measure(4, launch=parlib.launch)
     one_core = L.compute_rate()
     rate = one_core / args.slowdown
     here = Cluster.measured_here(4, allreduce_fit=(fit.a, fit.b), fit_ranks=fit.n,

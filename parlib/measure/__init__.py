@@ -33,6 +33,7 @@ _WHERE = {
     "PacedCost": "emulation", "SlowLink": "emulation", "StageCost": "emulation",
     "default_cost": "emulation",
     "LinkFit": "links", "fit_link": "links", "load_link": "links", "save_links": "links",
+    "load_or_measure": "links",
     "time_all_reduce": "links",
 }
 

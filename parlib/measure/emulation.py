@@ -17,6 +17,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 from parlib.cost.collectives import collective_time, message_time
@@ -26,6 +27,16 @@ from parlib.cost.pipeline import microbatch_time
 # Real compute that outlasts its emulated time by less than this is not called an overrun
 # (a piece of nearly no FLOPs, such as the norm after a layer's last all-reduce).
 OVERRUN_SLACK = 1e-3
+
+
+def _sleep_until(due: float, started: float, excluded: float) -> float:
+    """Sleep until ``due`` seconds of compute have passed since ``started``, not counting
+    ``excluded`` seconds spent communicating in between. Returns the seconds slept;
+    negative: the real compute overran."""
+    left = due - (time.perf_counter() - started - excluded)
+    if left > 0:
+        time.sleep(left)
+    return left
 
 
 @dataclass(frozen=True)
@@ -90,10 +101,7 @@ class StageCost:
         ``started``, not counting ``excluded`` seconds spent communicating in between (a
         device does not compute while it waits for a tensor-parallel all-reduce).
         Returns the seconds slept; negative: the real compute overran the emulated time."""
-        left = self.duration(kind, rows, stage) - (time.perf_counter() - started - excluded)
-        if left > 0:
-            time.sleep(left)
-        return left
+        return _sleep_until(self.duration(kind, rows, stage), started, excluded)
 
     def describe(self) -> str:
         text = (f"emulated stage cost (time.sleep): forward {self.forward * 1e3:g} ms/row, "
@@ -114,7 +122,7 @@ class PacedCost:
     ``forward`` and ``backward`` are the FLOPs per row of the microbatch of each piece, in
     the order they run: one more piece than points (the last runs after the last point).
     The object is used as a :class:`StageCost` (``start``, ``pad``); the all-reduce wrapper
-    calls :meth:`before_point` and :meth:`after_point` around each point.
+    calls :meth:`before_point` as each point begins.
     """
 
     def __init__(self, forward: Sequence[float], backward: Sequence[float],
@@ -125,7 +133,8 @@ class PacedCost:
         self.rate = flops_per_second
         self._due: list[float] = []  # emulated seconds from the span's start, per point
         self._total = 0.0
-        self._index = self._comm = self._started = self._point = 0.0
+        self._index = 0
+        self.started = 0.0  # when the current forward or backward began
         self._active = False
         self.points = 0  # communication points paced at
         self.late = 0  # of them, reached later than due (real compute outlasted its piece)
@@ -134,30 +143,21 @@ class PacedCost:
         return sum(self.pieces[kind]) * rows / self.rate
 
     def start(self, kind: str, rows: int, stage: int = 0) -> float:
-        seconds = [f * rows / self.rate for f in self.pieces[kind]]
-        self._due = [sum(seconds[:i + 1]) for i in range(len(seconds) - 1)]
-        self._total = sum(seconds)
-        self._index, self._comm, self._active = 0, 0.0, True
-        self._started = time.perf_counter()
-        return self._started
+        *due, self._total = accumulate(f * rows / self.rate for f in self.pieces[kind])
+        self._due = due
+        self._index, self._active = 0, True
+        self.started = time.perf_counter()
+        return self.started
 
-    def before_point(self) -> None:
-        """Pad the compute since the span began to the emulated time due at this point."""
-        if not self._active:
+    def before_point(self, excluded: float) -> None:
+        """Pad the compute since the span began to the emulated time due at this point,
+        not counting ``excluded`` seconds of communication since then."""
+        if not self._active or self._index >= len(self._due):
             return
-        if self._index < len(self._due):
-            used = time.perf_counter() - self._started - self._comm
-            if self._due[self._index] > used:
-                time.sleep(self._due[self._index] - used)
-            elif used - self._due[self._index] > OVERRUN_SLACK:
-                self.late += 1
-            self.points += 1
-            self._index += 1
-        self._point = time.perf_counter()
-
-    def after_point(self) -> None:
-        if self._active:
-            self._comm += time.perf_counter() - self._point
+        if _sleep_until(self._due[self._index], self.started, excluded) < -OVERRUN_SLACK:
+            self.late += 1
+        self.points += 1
+        self._index += 1
 
     def pad(self, kind: str, started: float, rows: int, stage: int = 0,
             excluded: float = 0.0) -> float:
@@ -165,10 +165,7 @@ class PacedCost:
         ``excluded`` seconds of communication; returns the seconds slept (negative: the
         real compute overran)."""
         self._active = False
-        left = self._total - (time.perf_counter() - started - excluded)
-        if left > 0:
-            time.sleep(left)
-        return left
+        return _sleep_until(self._total, started, excluded)
 
     def describe(self) -> str:
         return (f"emulated device: {self.rate / 1e9:g} GFLOP/s (time.sleep), paced at "

@@ -16,8 +16,10 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -135,4 +137,21 @@ def load_link(n: int = 2, path: str | Path | None = None, *, backend: str | None
     return fit
 
 
-__all__ = ["LinkFit", "cache_dir", "fit_link", "load_link", "save_links", "time_all_reduce"]
+def load_or_measure(n: int, *, launch: Callable[..., list[Any]], backend: str | None = None,
+                    **launch_kwargs: Any) -> tuple[LinkFit, str]:
+    """Chapter 00's saved fit for ``n`` ranks (and ``backend``), or, when there is none, a
+    quick one measured now: ``launch`` (``parlib.launch``, passed in because launching
+    ranks is the runtime's job) runs :func:`time_all_reduce` on ``n`` ranks, 1 KiB to
+    4 MiB. Returns the fit and which of the two it is."""
+    fit = load_link(n, backend=backend)
+    if fit is not None:
+        return fit, "chapter 00's fit"
+    sizes = [2**k for k in range(10, 23, 3)]
+    seconds, spread, dev, used = launch(time_all_reduce, sizes, rounds=3, world_size=n,
+                                        backend=backend, **launch_kwargs)[0]
+    fit = fit_link(n, sizes, seconds, spread=spread, device=dev, backend=used)
+    return fit, "a quick fit made now"
+
+
+__all__ = ["LinkFit", "cache_dir", "fit_link", "load_link", "load_or_measure", "save_links",
+           "time_all_reduce"]

@@ -111,7 +111,8 @@ def axis_traffic(mesh: Mesh, recorder: Recorder, pacer: PacedCost | None = None
     span of kind "tp" or "dp" (by the mesh group it ran on) and counted: the yielded dict
     gets, per axis, ``calls``, ``message_bytes`` and ``sent_bytes`` (the ring all-reduce's
     2(N-1)/N of each message, :func:`parlib.cost.predicted_sent_bytes`). A ``pacer``
-    (emulated compute) is told when each tensor-parallel all-reduce begins and ends."""
+    (emulated compute) is told when each tensor-parallel all-reduce begins, with the
+    communication recorded since its span began."""
     groups = {"tp": mesh.group("tp"), "dp": mesh.group("dp")}
     counts = {axis: {"calls": 0, "message_bytes": 0, "sent_bytes": 0.0} for axis in groups}
     original = dist.all_reduce
@@ -121,12 +122,10 @@ def axis_traffic(mesh: Mesh, recorder: Recorder, pacer: PacedCost | None = None
         if axis is None:
             return original(tensor, *args, group=group, **kwargs)
         if pacer is not None and axis == "tp":
-            pacer.before_point()
+            pacer.before_point(recorder.seconds_since(pacer.started))
         t0 = recorder._now()
         out = original(tensor, *args, group=group, **kwargs)
         recorder.spans.append(Span(recorder.rank, axis, t0, recorder._now()))
-        if pacer is not None and axis == "tp":
-            pacer.after_point()
         nbytes = tensor.numel() * tensor.element_size()
         n = mesh.size(axis)
         counts[axis]["calls"] += 1

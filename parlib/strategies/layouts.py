@@ -31,11 +31,9 @@ from parlib.cost import Cluster, Model, estimate
 from parlib.cost.estimate import Estimate
 from parlib.cost.model import BACKWARD_PER_FORWARD
 from parlib.measure.emulation import OVERRUN_SLACK, PacedCost, SlowLink, StageCost
-from parlib.measure.links import LinkFit, fit_link, load_link, time_all_reduce
 from parlib.measure.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
 from parlib.measure.timeline import Recorder
 from parlib.model import ModelConfig, build_model, make_batch, train_step
-from parlib.runtime.group import launch
 from parlib.runtime.policy import device as this_device
 from parlib.strategies.combined import axis_traffic, build_3d, shard_of, split_dims, train_step_3d
 from parlib.strategies.data import Bucketed
@@ -255,20 +253,6 @@ def compute_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repea
     return flops / statistics.median(seconds)
 
 
-def measured_link(n: int = 4, *, backend: str | None = None, timeout: float = 300.0
-                  ) -> tuple[LinkFit, str]:
-    """Chapter 00's saved all-reduce fit on ``n`` ranks (and ``backend``), or, when there is
-    none, a quick fit measured now on ``n`` launched ranks; with a word on which it is."""
-    fit = load_link(n, backend=backend)
-    if fit is not None:
-        return fit, "chapter 00's fit"
-    sizes = [2**k for k in range(10, 23, 3)]  # 1 KiB to 4 MiB
-    seconds, spread, dev, used = launch(time_all_reduce, sizes, rounds=3, world_size=n,
-                                        backend=backend, timeout=timeout)[0]
-    fit = fit_link(n, sizes, seconds, spread=spread, device=dev, backend=used)
-    return fit, "a quick fit made now"
-
-
 def predict(layouts: Sequence[dict[str, int]], cluster: Cluster, *,
             cfg: ModelConfig | None = None, global_batch: int = 8) -> list[Estimate]:
     """The cost model's estimate of each layout as this experiment runs it: fp32, Adam,
@@ -370,7 +354,6 @@ __all__ = [
     "make_adam",
     "layout_name",
     "measured",
-    "measured_link",
     "parts_table",
     "predict",
     "rank_order",

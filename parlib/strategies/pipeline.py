@@ -337,12 +337,13 @@ class _BackwardStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, y: torch.Tensor, state: dict) -> torch.Tensor:
-        ctx.state = state
+        ctx.state, ctx.rows = state, y.shape[0]
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.state["t0"] = time.perf_counter()
+        state = ctx.state
+        state["t0"] = state["cost"].start(BACKWARD, ctx.rows, state["stage"])
         return grad, None
 
 
@@ -358,9 +359,9 @@ class CostPadded(nn.Module):
         self._state = {"cost": cost, "t0": 0.0, "stage": stage.rank}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
         rows = x.shape[0]
         st = self.stage
+        t0 = self._state["cost"].start(FORWARD, rows, st.rank)
         if st.embed is not None:
             x = st.embed(x)
         x = _BackwardEnd.apply(x, self._state)

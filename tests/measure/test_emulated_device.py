@@ -37,12 +37,13 @@ def test_paced_cost_reaches_each_point_on_time():
     # three pieces of 10, 20 and 5 ms around two communication points
     paced = PacedCost([10e6, 20e6, 5e6], [0.0, 0.0, 0.0], 1e9)
     started = paced.start("forward", 1)
-    reached = []
+    reached, comm = [], 0.0
     for _ in range(2):
-        paced.before_point()
+        paced.before_point(comm)
         reached.append(time.perf_counter() - started)
+        begin = time.perf_counter()
         time.sleep(0.010)  # the all-reduce
-        paced.after_point()
+        comm += time.perf_counter() - begin
     left = paced.pad("forward", started, 1, excluded=0.020)
     total = time.perf_counter() - started
     assert reached[0] >= 0.010 and reached[1] >= 0.010 + 0.010 + 0.020
@@ -52,12 +53,11 @@ def test_paced_cost_reaches_each_point_on_time():
 
 def test_paced_cost_counts_late_points_and_ignores_points_outside_a_span():
     paced = PacedCost([1e6, 1e6], [0.0, 0.0], 1e9)
-    paced.before_point()  # no span started: nothing to pace
+    paced.before_point(0.0)  # no span started: nothing to pace
     assert paced.points == 0
     started = paced.start("forward", 1)
     time.sleep(0.005)  # real compute far beyond its 1 ms
-    paced.before_point()
-    paced.after_point()
+    paced.before_point(0.0)
     paced.pad("forward", started, 1)
     assert paced.late == 1
     assert paced.duration("forward", 2) == pytest.approx(4e-3)

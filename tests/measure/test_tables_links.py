@@ -61,3 +61,21 @@ def test_time_all_reduce_on_two_ranks():
     assert backend in ("gloo", "nccl")
     with pytest.raises(parlib.RankError, match="rounds"):
         parlib.launch(links.time_all_reduce, sizes, rounds=0, world_size=2)
+
+
+def test_load_or_measure_prefers_the_saved_fit(tmp_path, monkeypatch):
+    alpha, beta, n = 50e-6, 1 / 2e9, 4
+    calls = []
+
+    def fake_launch(fn, sizes, *, rounds, world_size, backend, **kwargs):
+        calls.append((fn, world_size, backend, kwargs))
+        seconds = [cost.collective_time("all_reduce", s, n, alpha, beta) for s in sizes]
+        return [(seconds, [0.0] * len(sizes), "cpu", "gloo")] * world_size
+
+    monkeypatch.setenv("PARLIB_CACHE_DIR", str(tmp_path))
+    fit, source = links.load_or_measure(n, launch=fake_launch, timeout=9)
+    assert source == "a quick fit made now" and fit.alpha == pytest.approx(alpha, rel=1e-6)
+    assert calls == [(links.time_all_reduce, n, None, {"timeout": 9})]
+    links.save_links({n: fit})
+    again, source = links.load_or_measure(n, launch=fake_launch)
+    assert source == "chapter 00's fit" and again.alpha == fit.alpha and len(calls) == 1
