@@ -28,17 +28,24 @@ ROOT = Path(__file__).resolve().parents[2]
 # --------------------------------------------------------------------------- answers that lie
 
 
+def _answer_up_the_stack(kind: type, skip: int) -> object:
+    """The ``answer`` of the first question object (a frame's ``self``) up the stack whose
+    answer is a ``kind``, starting ``skip`` frames above the helper's caller; else None."""
+    frame = sys._getframe(skip + 2)
+    while frame is not None:
+        q = frame.f_locals.get("self")
+        if hasattr(q, "answer") and isinstance(q.answer, kind):
+            return q.answer
+        frame = frame.f_back
+    return None
+
+
 class FrameReadingFloat(float):
     """Its __float__ reads the expected answer from whichever check frame converts it."""
 
     def __float__(self):
-        frame = sys._getframe(1)
-        while frame is not None:
-            q = frame.f_locals.get("self")
-            if hasattr(q, "answer") and isinstance(q.answer, float):
-                return q.answer
-            frame = frame.f_back
-        return 0.0
+        answer = _answer_up_the_stack(float, skip=0)
+        return 0.0 if answer is None else answer
 
     def __eq__(self, other):
         return True
@@ -50,13 +57,8 @@ class FrameReadingStr(str):
     """Its methods return the expected answer read from the checker's frame."""
 
     def _expected(self):
-        frame = sys._getframe(2)
-        while frame is not None:
-            q = frame.f_locals.get("self")
-            if hasattr(q, "answer") and isinstance(q.answer, str):
-                return q.answer
-            frame = frame.f_back
-        return str(self)
+        answer = _answer_up_the_stack(str, skip=1)
+        return str(self) if answer is None else answer
 
     def strip(self, *args):
         return FrameReadingStr(self._expected())
