@@ -51,3 +51,17 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python3 tasks.py test" in readme and "python3 tasks.py test" in ci
     assert "python3 tasks.py course" in readme
+
+
+def test_a_test_run_keeps_its_own_link_fit(monkeypatch):
+    """The notebooks save chapter 00's fit; under `tasks.py test` it goes to out/cache, so a
+    learner's own saved fit (~/.cache/parlib) is never replaced by one taken under test load."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tasks_under_test", ROOT / "tasks.py")
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    monkeypatch.delenv("PARLIB_CACHE_DIR", raising=False)
+    assert Path(tasks.test_env()["PARLIB_CACHE_DIR"]) == ROOT / "out" / "cache"
+    monkeypatch.setenv("PARLIB_CACHE_DIR", "/somewhere/else")
+    assert tasks.test_env()["PARLIB_CACHE_DIR"] == "/somewhere/else"
