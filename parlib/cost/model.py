@@ -131,9 +131,14 @@ class Model:
 
     # ---- FLOPs per token
     @property
+    def layer_attention_flops_per_token(self) -> int:
+        """Forward FLOPs of one layer's QK^T and scores x V: 4 x s x h."""
+        return 4 * self.seq_len * self.d_model
+
+    @property
     def attention_flops_per_token(self) -> int:
         """Forward FLOPs of QK^T and scores x V over all layers: 4 x s x h per layer."""
-        return self.n_layers * 4 * self.seq_len * self.d_model
+        return self.n_layers * self.layer_attention_flops_per_token
 
     @property
     def forward_flops_per_token(self) -> int:
@@ -164,7 +169,7 @@ class Model:
         """Forward FLOPs per token of one layer's two halves on one of ``t`` tensor-parallel
         ranks: (attention: projections and scores, MLP). Megatron ends each half with an
         all-reduce."""
-        attention = 2 * self.attention_matmul_params + 4 * self.seq_len * self.d_model
+        attention = 2 * self.attention_matmul_params + self.layer_attention_flops_per_token
         return attention / t, 2 * self.mlp_matmul_params / t
 
     def __str__(self) -> str:
