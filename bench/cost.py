@@ -92,7 +92,7 @@ def layouts_section(args: argparse.Namespace) -> None:
     print(f"\nlayouts: 4 ranks, link from {source} ({fit.backend}: alpha "
           f"{here.intra_node.alpha * 1e6:.0f} us, {here.intra_node.bandwidth / 1e9:.2f} GB/s); "
           f"emulated devices at one core / {args.slowdown:g} = {rate / 1e9:.2f} GFLOP/s")
-    reference = L.reference_step()
+    reference = verify.reference_step()  # one device, the full batch of 8
     for title, link in (("measured link", None),
                         (f"+ emulated {args.slow_beta * 1e9:g} ns per byte (SlowLink)",
                          (0.0, args.slow_beta))):

@@ -140,13 +140,28 @@ def estimate(model: Model, cluster: Cluster, *, d: int, t: int, p: int, m: int,
     Raises ValueError naming the problem for a layout that cannot exist.
     """
     check_inputs(model, cluster)
+    check_layout(model, cluster.n_devices, d=d, t=t, p=p, m=m, global_batch=global_batch, v=v)
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if not any(recompute is r for r in RECOMPUTE):
+        raise ValueError(f"recompute must be False, 'selective' or True, got {recompute!r}")
+    est = _evaluate(model, cluster, d, t, p, m, v, global_batch, zero, recompute,
+                    sequence_parallel, mixed_precision, dp_overlap)
+    est.reason = est.describe()
+    return est
+
+
+def check_layout(model: Model, n_devices: int, *, d: int, t: int, p: int, m: int,
+                 global_batch: int, v: int = 1) -> None:
+    """A ValueError naming the problem when d x t x p (m microbatches, v chunks) cannot lay
+    ``model`` out on ``n_devices`` devices with ``global_batch`` sequences per step."""
     for name, value in (("d", d), ("t", t), ("p", p), ("m", m), ("v", v),
                         ("global_batch", global_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if d * t * p != cluster.n_devices:
+    if d * t * p != n_devices:
         raise ValueError(f"d x t x p = {d} x {t} x {p} = {d * t * p}, but the cluster has "
-                         f"{cluster.n_devices} devices")
+                         f"{n_devices} devices")
     if model.n_heads % t:
         raise ValueError(f"t = {t} does not divide the model's {model.n_heads} attention heads")
     if model.n_layers % p:
@@ -161,14 +176,6 @@ def estimate(model: Model, cluster: Cluster, *, d: int, t: int, p: int, m: int,
     if global_batch % (d * m):
         raise ValueError(f"global_batch = {global_batch} is not divisible by d x m = {d} x {m}"
                          f" = {d * m}: each data-parallel rank runs m equal microbatches")
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
-    if not any(recompute is r for r in RECOMPUTE):
-        raise ValueError(f"recompute must be False, 'selective' or True, got {recompute!r}")
-    est = _evaluate(model, cluster, d, t, p, m, v, global_batch, zero, recompute,
-                    sequence_parallel, mixed_precision, dp_overlap)
-    est.reason = est.describe()
-    return est
 
 
 def check_inputs(model: Model, cluster: Cluster) -> None:
@@ -292,4 +299,4 @@ def _where(cluster: Cluster, span: int, degree: int) -> str:
     return "intra-node" if cluster.in_one_node(span) else "inter-node"
 
 
-__all__ = ["MEMORY_PARTS", "RECOMPUTE", "STEP_PARTS", "Estimate", "estimate"]
+__all__ = ["MEMORY_PARTS", "RECOMPUTE", "STEP_PARTS", "Estimate", "check_layout", "estimate"]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parlib.cost import Cluster, Model, estimate
-from parlib.cost.estimate import Estimate
+from parlib.cost.estimate import Estimate, check_layout
 from parlib.cost.model import BACKWARD_PER_FORWARD
 from parlib.measure.emulation import OVERRUN_SLACK, PacedCost, SlowLink, StageCost
 from parlib.measure.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
@@ -64,18 +64,18 @@ def layout_name(layout: dict[str, int]) -> str:
 
 def _check_layouts(layouts: Sequence[dict[str, int]], world_size: int, cfg: ModelConfig,
                    global_batch: int) -> None:
+    model = Model.from_config(cfg)
     for lay in layouts:
         if {"d", "t", "p", "m"} - set(lay):
             raise ValueError(f"a layout needs d, t, p and m, got {lay}")
         if lay["d"] * lay["t"] * lay["p"] != world_size:
             raise ValueError(f"{layout_name(lay)}: d x t x p = "
                              f"{lay['d'] * lay['t'] * lay['p']}, not the {world_size} ranks")
-        if global_batch % (lay["d"] * lay["m"]):
-            raise ValueError(f"{layout_name(lay)}: global_batch {global_batch} is not "
-                             f"divisible by d x m = {lay['d'] * lay['m']}")
-        if cfg.n_heads % lay["t"] or cfg.n_layers % lay["p"]:
-            raise ValueError(f"{layout_name(lay)}: t must divide {cfg.n_heads} heads and p "
-                             f"{cfg.n_layers} layers")
+        try:  # the cost model's rules: heads, layers and batch divide evenly
+            check_layout(model, world_size, d=lay["d"], t=lay["t"], p=lay["p"], m=lay["m"],
+                         global_batch=global_batch)
+        except ValueError as err:
+            raise ValueError(f"{layout_name(lay)}: {err}") from None
 
 
 # --------------------------------------------------------------------------- on the ranks
@@ -150,8 +150,8 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
                       reference: dict[str, Any], tolerance: tuple[float, float],
                       repeats: int = 5, warmup: int = 1, seed: int = 0) -> list[dict[str, Any]]:
     """Run on every rank of ``parlib.launch``: for each layout, one step checked against
-    ``reference`` (:func:`reference_step`; ``tolerance`` = (rtol, atol)), with its memory
-    measured, then ``warmup`` + ``repeats`` timed steps.
+    ``reference`` (:func:`parlib.verify.reference_step` on the full batch; ``tolerance`` =
+    (rtol, atol)), with its memory measured, then ``warmup`` + ``repeats`` timed steps.
 
     ``flops_per_second``: the emulated device's rate (None: real compute, for one device
     per rank). ``link``: (alpha, beta) of an emulated slower link added to every message.
@@ -223,16 +223,6 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
 
 
 # --------------------------------------------------------------------------- in the kernel
-
-
-def reference_step(cfg: ModelConfig | None = None, *, global_batch: int = 8,
-                   seed: int = 0) -> dict[str, Any]:
-    """The first step on one device: ``grads`` by name (what every layout must match)."""
-    model = build_model(cfg, seed)
-    x, y = make_batch(global_batch, cfg or ModelConfig(), 0, seed)
-    loss = train_step(model, make_adam(model.parameters()), x, y)
-    return {"loss": loss,
-            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
 
 
 def compute_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repeats: int = 7,
@@ -330,7 +320,6 @@ def table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-
 def parts_table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
     """Where the step goes (ms), predicted / measured: compute, tensor-parallel all-reduces,
     pipeline (bubble and sends predicted; waiting to receive measured), gradient sync, and
@@ -358,6 +347,5 @@ __all__ = [
     "predict",
     "rank_order",
     "rank_time_layouts",
-    "reference_step",
     "table",
 ]

@@ -73,7 +73,7 @@ def test_measured_takes_the_slowest_rank_per_step():
 
 
 def test_two_rank_layouts_match_one_device_and_take_their_emulated_time():
-    reference = L.reference_step(SMALL)
+    reference = verify.reference_step(SMALL)
     rate = 2e9
     cluster = Cluster.measured_here(2, allreduce_fit=(1e-4, 1e-9), fit_ranks=2,
                                     flops_per_second=rate)
@@ -93,7 +93,7 @@ def test_two_rank_layouts_match_one_device_and_take_their_emulated_time():
 
 
 def test_a_wrong_reference_is_rejected():
-    reference = L.reference_step(SMALL)
+    reference = verify.reference_step(SMALL)
     name = next(iter(reference["grads"]))
     reference["grads"][name] = reference["grads"][name] + 1e-3 * torch.ones_like(
         reference["grads"][name])
