@@ -1,4 +1,4 @@
-"""Benchmark of the chapter 05 cost model: the planner and the published runs (pure Python,
+"""Benchmark of the choosing chapter's cost model: the planner and the published runs (pure Python,
 no ranks, a second or two), and predicted against measured layouts here (about a minute).
 
     python bench/cost.py                      # every section
@@ -10,8 +10,8 @@ Sections, each a function printing one table:
   (target: under 1 s; median of repeats, each a fresh search), then its top 5 layouts.
 - ``published``: predicted (at peak compute) against reported utilisation of the published
   runs in ``parlib.cost.published``.
-- ``layouts``: chapter 05's six 4-rank layouts of the tiny model, predicted with the link
-  measured here (chapter 00's fit) and emulated devices, then run with chapter 04's code:
+- ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
+  measured here (the launching chapter's fit) and emulated devices, then run with the combining chapter's code:
   measured / predicted per layout, with the measured link and with an emulated slow one
   (``SlowLink``, +200 ns per byte). About a minute; the only section that launches ranks.
 """

@@ -2,7 +2,7 @@
 
 Each stage's forward and backward are padded with a sleep to an *emulated* cost that scales
 with the rows of the microbatch: rows x per-row time + a fixed per-call time (on a CPU with
-fewer cores than ranks, real compute cannot overlap; see chapter 03). The batch B is the
+fewer cores than ranks, real compute cannot overlap; see the pipeline chapter). The batch B is the
 same for every m, so the theory is (m + p - 1) x (B/m x c + o) (parlib.cost.
 fixed_batch_step_time): more microbatches shorten the step towards the bubble-free B x c.
 Prints the median of the repeats after one warm-up step, and checks the gradients against

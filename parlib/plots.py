@@ -2,7 +2,7 @@
 
 - :data:`COLORS` and :func:`run_label`: the colour of each kind of work and the
   "what ran it" caption every figure carries.
-- :func:`draw_collective`: who holds what before and after a collective (chapter 00).
+- :func:`draw_collective`: who holds what before and after a collective (the launching chapter).
 - :func:`draw_timeline`: a Gantt chart of spans per rank (pipelines, and any step).
 """
 
@@ -36,7 +36,7 @@ def run_label(world_size: int, device: str, backend: str, emulated: bool = False
     return label
 
 
-# The collectives the course uses and the strategy that pays for each (chapter 00's table).
+# The collectives the course uses and the strategy that pays for each (the launching chapter's table).
 WHO_PAYS = [
     ("broadcast", "every strategy, once: the same initial weights on every rank"),
     ("all-reduce", "data parallelism: gradients after every step; tensor parallelism: "

@@ -6,7 +6,7 @@
   activation bytes per layer.
 - :mod:`parlib.cost.tensor`: bytes a tensor-parallel layer all-reduces.
 
-Built on them, the chapter 05 cost model:
+Built on them, the choosing chapter's cost model:
 
 - :mod:`parlib.cost.model`: ``Model``, a transformer's parameter count and FLOPs per token.
 - :mod:`parlib.cost.hardware`: ``Cluster`` and ``Link``, presets with their sources.

@@ -136,7 +136,7 @@ def estimate(model: Model, cluster: Cluster, *, d: int, t: int, p: int, m: int,
     True (full). ``mixed_precision``: bf16 activations and messages with fp32 Adam state
     (16 bytes per parameter); False is fp32 throughout, as the course's CPU runs.
     ``dp_overlap=False``: the gradient sync starts after the whole backward (nothing
-    hidden), as chapter 04's ``train_step_3d`` does.
+    hidden), as the combining chapter's ``train_step_3d`` does.
     Raises ValueError naming the problem for a layout that cannot exist.
     """
     check_inputs(model, cluster)

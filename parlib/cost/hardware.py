@@ -2,7 +2,7 @@
 
 Devices sit in nodes of ``devices_per_node``; a fast link joins devices inside a node
 (NVLink), a slower one joins nodes (InfiniBand, one NIC per GPU). A :class:`Link` is the
-alpha-beta model of chapter 00: ``alpha`` seconds per message, ``bandwidth`` bytes/s that
+alpha-beta model of the launching chapter: ``alpha`` seconds per message, ``bandwidth`` bytes/s that
 one device can push in one direction.
 
 Preset figures are from the vendors' datasheets named next to them. Latency (alpha) is
@@ -161,7 +161,7 @@ class Cluster:
                       fit_ranks: int, flops_per_second: float,
                       memory_bytes: float = math.inf,
                       devices_per_node: int | None = None) -> Cluster:
-        """This machine, from chapter 00's measurements.
+        """This machine, from the launching chapter's measurements.
 
         ``allreduce_fit`` is ``fit_alpha_beta(sizes, seconds)`` of all-reduce times on
         ``fit_ranks`` ranks (the line 2(N-1) alpha + 2(N-1)/N beta x bytes); both links are

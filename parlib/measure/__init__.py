@@ -9,7 +9,7 @@
   activations (:class:`SavedActivations`, :func:`memory_breakdown`).
 - :mod:`~parlib.measure.timeline`: spans per rank (:class:`Recorder`) and their analysis.
 - :mod:`~parlib.measure.emulation`: emulated stage cost and slow links, labelled as such.
-- :mod:`~parlib.measure.links`: the all-reduce alpha-beta fit chapter 00 saves and later
+- :mod:`~parlib.measure.links`: the all-reduce alpha-beta fit the launching chapter saves and later
   chapters read (:func:`load_link`).
 
 The names below load their module on first use, so that ``parlib.measure.timeline`` (no

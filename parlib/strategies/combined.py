@@ -80,7 +80,7 @@ def train_step_3d(stage: Stage, mesh: Mesh, optimizer: torch.optim.Optimizer,
     m microbatches, gradients averaged over the dp group, optimizer step. Returns the
     global batch's mean loss on the last stage's ranks, None on the others.
 
-    ``cost``: an emulated compute time for each forward and backward (chapter 03).
+    ``cost``: an emulated compute time for each forward and backward (the pipeline chapter).
     ``sync``: pools the gradients instead of one all-reduce per parameter (for example a
     :class:`~parlib.strategies.data.Bucketed` over ``mesh.group("dp")``).
     ``mean_loss=False`` skips the loss's all-reduce and returns this rank's own loss."""

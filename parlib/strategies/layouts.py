@@ -1,10 +1,10 @@
-"""Chapter 05's experiment: layouts of the tiny model predicted by the cost model, then run
-with chapter 04's code on the ranks here, side by side.
+"""The choosing chapter's experiment: layouts of the tiny model predicted by the cost model, then run
+with the combining chapter's code on the ranks here, side by side.
 
 Two cores cannot run four devices at once, so each rank plays an **emulated device** of
 ``flops_per_second``: its real forward and backward run, then a sleep pads each to the time
 such a device would take for the FLOPs this rank does (its layers split t ways, plus the
-output layer on the last stage; chapter 03's :class:`~parlib.measure.emulation.StageCost`,
+output layer on the last stage; the pipeline chapter's :class:`~parlib.measure.emulation.StageCost`,
 now per FLOP). Under tensor parallelism each piece of compute between two all-reduces is
 padded on its own (:class:`~parlib.measure.emulation.PacedCost`), so a rank reaches every
 all-reduce when a real device would; time inside the all-reduces is not padded over.

@@ -22,7 +22,7 @@ def md(src):
 
 
 SOURCE_CELLS = [
-    md("# Chapter 99\n<!-- BEGIN SOLUTION -->\nsecret note\n<!-- END SOLUTION -->\nend"),
+    md("# A made-up chapter\n<!-- BEGIN SOLUTION -->\nsecret note\n<!-- END SOLUTION -->\nend"),
     md("<!-- SOLUTION -->\nThe full working."),
     code("import math\nanswer = 6 * 2**20  # SOLUTION\nlr: float = 0.1  # SOLUTION\n"
          "print('ok')",
@@ -66,7 +66,7 @@ def test_build_writes_solution_and_exercise(tmp_path):
     sol = sources_of(tmp_path / "solutions" / "99_demo.ipynb")
     ex = sources_of(tmp_path / "exercises" / "99_demo.ipynb")
 
-    assert sol[0] == "# Chapter 99\nsecret note\nend"
+    assert sol[0] == "# A made-up chapter\nsecret note\nend"
     assert sol[1] == "The full working."
     assert sol[2] == "import math\nanswer = 6 * 2**20\nlr: float = 0.1\nprint('ok')"
     assert "    y = x * 2\n    return y\n" in sol[3] and "SOLUTION" not in sol[3]
@@ -76,7 +76,7 @@ def test_build_writes_solution_and_exercise(tmp_path):
     assert not any("SOLUTION" in s for s in sol)
 
     assert len(ex) == 4  # solution-only markdown and code cells dropped
-    assert ex[0] == "# Chapter 99\nend"
+    assert ex[0] == "# A made-up chapter\nend"
     assert ex[1] == ("import math\nanswer = ...  # your answer\nlr: float = ...  # your answer\n"
                      "print('ok')")
     assert ex[2] == ('def f(x):\n    """Double x."""\n    raise NotImplementedError("your code '
@@ -175,7 +175,7 @@ def test_malformed_markers_are_reported(tmp_path, src, words):
 def test_committed_chapter00_is_up_to_date():
     root = Path(__file__).resolve().parents[2]
     if not (root / "authoring" / "00_launching_ranks.ipynb").exists():
-        pytest.skip("no chapter 00 source")
+        pytest.skip("no launching-chapter source")
     out = io.StringIO()
     rc = nbbuild.build(root, check=True, only=["00_launching_ranks.ipynb"], out=out)
     assert rc == 0 or "00_launching_ranks" not in out.getvalue(), out.getvalue()

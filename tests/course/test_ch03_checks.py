@@ -1,188 +1,222 @@
-"""Chapter 03 questions: the GPipe grader accepts the reference and rejects each mutant."""
+"""Questions of the tensor-parallel chapter: each grader accepts the reference and rejects each mutant with a
+hint that names the mistake."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from parlib.cost import bubble_fraction
+from parlib.cost.tensor import tp_sent_bytes_per_layer
 from parlib.course.check import check, explain
-from parlib.course.questions.ch03 import GPIPE_SOLUTION
+from parlib.course.questions.ch03 import F_SOLUTION, G_SOLUTION, ROW_PARALLEL_SOLUTION
 from parlib.course.registry import questions
 from tests.helpers.learner_code import learner as define_learner
 
 pytestmark = pytest.mark.usefixtures("clean_checks")
 
-
-def learner(src, name):
-    return define_learner(src, name, prelude="from parlib.model import loss_fn\n")
+GiB = 2**30
 
 
-
-
-
-
-# Mutants are the reference solution (the code the worked answer shows) with one change each.
-PLACES = {
-    "FWD_SRC": "dist.recv(x, rank - 1)",
-    "LOSS_DIV": "loss_fn(y, ys[i].to(dev)) / m",
-    "BWD_ORDER": "for i in reversed(range(m)):",
-    "ZERO": "    for i in reversed(range(m)):\n",
-    "RESULT": "return total if stage.is_last else None",
-}
-FILLED = {
-    "FWD_SRC": "dist.recv(x, {})",
-    "LOSS_DIV": "loss_fn(y, ys[i].to(dev)) / ({})",
-    "BWD_ORDER": "for i in {}:",
-    "ZERO": "    for i in reversed(range(m)):\n        {}\n",
-    "RESULT": "return {}",
-}
-
-
-def gpipe(**changes):
-    src = GPIPE_SOLUTION
-    for key, value in changes.items():
-        assert src.count(PLACES[key]) == 1, f"the reference no longer has {PLACES[key]!r}"
-        src = src.replace(PLACES[key], FILLED[key].format(value))
-    return learner(src, "gpipe_step")
-
-
-def test_ch03_questions_registered():
+def test_ch02_questions_registered():
     ids = set(questions("03"))
-    assert {"03.gpipe", "03.bubble", "03.bubble_naive", "03.min_microbatches",
-            "03.gpipe_inflight", "03.1f1b_inflight", "03.boundary_bytes",
-            "03.more_stages", "03.dp_pp_sync"} <= ids
+    assert {"03.f", "03.g", "03.row_parallel", "03.bytes_per_layer", "03.layer_memory",
+            "03.slow_link", "03.t_within_node", "03.mlp_split"} <= ids
+    for q in questions("03").values():
+        assert q.working and q.prompt
 
 
-def test_numeric_answers_and_hints():
-    assert check("03.bubble", 3 / 11).passed
-    assert check("03.bubble", bubble_fraction(4, 8)).passed
-    r = check("03.bubble", 3 / 8)
-    assert r.status == "failed" and "relative to the ideal" in r.message
-    assert check("03.bubble_naive", 0.75).passed
-    assert check("03.min_microbatches", 64).passed
-    r = check("03.min_microbatches", 63)
-    assert r.status == "failed" and "exactly" in r.message
-    assert check("03.gpipe_inflight", 8).passed and check("03.1f1b_inflight", 4).passed
-    assert "warm-up" in check("03.1f1b_inflight", 3).message
-    assert check("03.boundary_bytes", 268_435_456).passed
-    assert "one direction" in check("03.boundary_bytes", 134_217_728).message
-    assert check("03.more_stages", "B").passed
-    assert check("03.more_stages", "A").status == "failed"
+# --------------------------------------------------------------------------- numeric / choice
 
 
-def test_min_microbatches_names_the_other_bubble_definition():
-    # 71 solves (p-1)/m < 0.1: the learner used the bubble relative to the ideal time
-    r = check("03.min_microbatches", 71)
-    assert r.status == "failed" and "(p-1)/m" in r.message and "(p-1)/(m+p-1)" in r.message
-    assert "70 is m + p - 1" in check("03.min_microbatches", 70).message
+@pytest.mark.parametrize("qid, right, wrong, hint", [
+    ("03.bytes_per_layer", 939_524_096, 469_762_048, "forward only"),
+    ("03.bytes_per_layer", 939_524_096, 536_870_912, "2(t-1)/t"),
+    ("03.bytes_per_layer", 939_524_096, 2 * 939_524_096, "bf16"),
+    ("03.layer_memory", 1.5, 12.0, "whole layer"),
+    ("03.layer_memory", 1.5, 1.0, "MLP alone"),
+    ("03.layer_memory", 1.5, 1.5 * GiB / 1e9, "GiB"),
+])
+def test_numeric_answers_and_hints(qid, right, wrong, hint):
+    assert check(qid, right).passed
+    r = check(qid, wrong)
+    assert r.status == "failed" and hint in r.message, r.message
 
 
-def test_gpipe_inflight_working_is_consistent(capsys):
-    check("03.gpipe_inflight", 8)
-    explain("03.gpipe_inflight")
-    out = capsys.readouterr().out
-    assert "whatever m is" not in out and "grow with m" in out
+def test_bytes_per_layer_is_the_formula():
+    assert check("03.bytes_per_layer", tp_sent_bytes_per_layer(4, 2048, 8192, 8, 2)).passed
 
 
-def test_dp_pp_sync_question():
-    assert check("03.dp_pp_sync", "C").passed and check("03.dp_pp_sync", "c").passed
-    assert "complete only after the last backward" in check("03.dp_pp_sync", "A").message
-    assert "stage 2's layers" in check("03.dp_pp_sync", "B").message
-    assert check("03.dp_pp_sync", "D").status == "failed"
+def test_choices():
+    assert check("03.slow_link", "b").passed
+    assert "4 times per layer" in check("03.slow_link", "A").message
+    assert check("03.t_within_node", "A").passed
+    assert not check("03.t_within_node", "C").passed
+    assert check("03.mlp_split", "C").passed
+    assert "partial sum" in check("03.mlp_split", "B").message
 
 
-def test_min_microbatches_matches_formula():
-    from parlib.cost import min_microbatches
+# --------------------------------------------------------------------------- f and g
 
-    # "under 10%" is strict: 63 gives exactly 0.1
-    assert bubble_fraction(8, 63) == pytest.approx(0.1)
-    assert min_microbatches(8, 0.1 - 1e-9) == 64
+F_MUTANTS = {
+    "all-reduce in forward instead of backward (wrong direction)": (
+        [("            return x.view_as(x)          # every rank already holds the same x",
+          "            out = x.clone()\n            dist.all_reduce(out, group=group)\n"
+          "            return out"),
+         ("            dist.all_reduce(grad, group=ctx.group)\n", "")],
+        "f all-reduces in forward"),
+    "missing gradient all-reduce": (
+        [("            dist.all_reduce(grad, group=ctx.group)\n", "")],
+        "f's backward returns the gradient unchanged"),
+    "gradient averaged (divided by t)": (
+        [("            dist.all_reduce(grad, group=ctx.group)\n",
+          "            dist.all_reduce(grad, group=ctx.group)\n"
+          "            grad /= dist.get_world_size(ctx.group)\n")],
+        "divides by t"),
+}
+
+G_MUTANTS = {
+    "forgotten all-reduce": (
+        [("            dist.all_reduce(out, group=group)\n", "")],
+        "g returns its input"),
+    "all-reduce in backward too (duplicated gradient)": (
+        [("            return grad, None            # the gradient is already whole on every "
+          "rank",
+          "            grad = grad.clone()\n            dist.all_reduce(grad)\n"
+          "            return grad, None")],
+        "t times too big"),
+    "partial sums averaged": (
+        [("            dist.all_reduce(out, group=group)\n",
+          "            dist.all_reduce(out, group=group)\n"
+          "            out = out / dist.get_world_size(group)\n")],
+        "g averages"),
+}
+
+OPS = {"03.f": (F_SOLUTION, "copy_to_parallel_region", F_MUTANTS),
+       "03.g": (G_SOLUTION, "reduce_from_parallel_region", G_MUTANTS)}
 
 
-def test_gpipe_reference_passes():
-    t0 = time.monotonic()
-    r = check("03.gpipe", gpipe())
+def mutate(src, changes):
+    for old, new in changes:
+        assert src.count(old) == 1, f"the reference no longer has {old!r}"
+        src = src.replace(old, new)
+    return src
+
+
+@pytest.mark.parametrize("qid", list(OPS))
+def test_operator_reference_passes(qid):
+    src, name, _ = OPS[qid]
+    r = check(qid, define_learner(src, name))
     assert r.passed, r
-    assert time.monotonic() - t0 < 30
 
 
-def test_gpipe_rejects_wrong_recv_order():
-    # the last stage sends gradients m-1..0 but the others take them as 0..m-1
-    r = check("03.gpipe", gpipe(BWD_ORDER="(reversed(range(m)) if stage.is_last else range(m))"))
+@pytest.mark.parametrize("qid, mutant", [(q, m) for q in OPS for m in OPS[q][2]])
+def test_operator_rejects_mutant(qid, mutant):
+    src, name, mutants = OPS[qid]
+    changes, hint = mutants[mutant]
+    r = check(qid, define_learner(mutate(src, changes), name))
     assert r.status == "failed", r
-    assert "2 ranks" in r.message and "microbatch it belongs to" in r.message
+    assert hint in r.message, r.message
 
 
-def test_gpipe_rejects_missing_accumulation():
-    r = check("03.gpipe", gpipe(ZERO="stage.zero_grad()"))
+def test_operator_without_autograd_is_rejected():
+    # dist.all_reduce on a plain tensor in forward, no Function: autograd sees no f at all
+    src = """
+def copy_to_parallel_region(x, group=None):
+    return x.detach()
+"""
+    r = check("03.f", define_learner(src, "copy_to_parallel_region"))
+    assert r.status == "failed" and "does not require grad" in r.message, r.message
+
+
+def test_operator_stub_not_attempted(capsys):
+    stub = """
+def copy_to_parallel_region(x, group=None):
+    class CopyToParallelRegion(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            raise NotImplementedError("your code here")
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise NotImplementedError("your code here")
+
+    return CopyToParallelRegion.apply(x, group)
+"""
+    assert check("03.f", define_learner(stub, "copy_to_parallel_region")).status == \
+        "not attempted"
+    explain("03.f")
+    assert "dist.all_reduce(grad" not in capsys.readouterr().out  # no working yet
+
+
+# --------------------------------------------------------------------------- row parallel
+
+PRELUDE = "from parlib.strategies import tensor_ops\n"
+SUM = "    total = tensor_ops.reduce_from_tensor_parallel_region(partial, group) "
+
+
+def row(src=ROW_PARALLEL_SOLUTION):
+    return define_learner(src, "row_parallel_linear", prelude=PRELUDE)
+
+
+ROW_MUTANTS = {
+    "bias added on every rank, before the all-reduce": (
+        [("    partial = x @ weight.T", "    partial = x @ weight.T + linear.bias"),
+         ("    return total + linear.bias ", "    return total ")],
+        "t - 1 biases too big"),
+    "split along the wrong dimension (rows of torch's weight)": (
+        [("    weight = linear.weight[:, rank * cols:(rank + 1) * cols]",
+          "    weight = linear.weight[rank * cols:(rank + 1) * cols, :].T")],
+        "you took rows of linear.weight"),
+    "forgotten all-reduce": (
+        [(SUM, "    total = partial ")],
+        "only its own partial sum"),
+    "all-reduce in the wrong direction (f instead of g)": (
+        [(SUM,
+          "    total = copy_to_tensor_parallel_region(partial, group) ")],
+        "only its own partial sum"),
+    "partial sums averaged": (
+        [(SUM,
+          SUM.rstrip() + " / t ")],
+        "sum them (no division by t)"),
+    "autograd all-reduce: the gradient summed again in backward": (
+        [(SUM,
+          "    total = torch.distributed.nn.functional.all_reduce(partial, group=group"
+          " or dist.group.WORLD) ")],
+        "t times too big"),
+}
+
+
+def test_row_parallel_reference_passes():
+    r = check("03.row_parallel", row())
+    assert r.passed, r
+
+
+def test_row_parallel_plain_dist_all_reduce_passes():
+    # dist.all_reduce in forward is invisible to autograd: its backward is the identity,
+    # which is exactly g's. A learner who writes it this way is right.
+    src = ROW_PARALLEL_SOLUTION.replace(
+        SUM,
+        "    dist.all_reduce(partial, group=group)\n    total = partial ")
+    r = check("03.row_parallel", row(src))
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("name", list(ROW_MUTANTS))
+def test_row_parallel_rejects_mutant(name):
+    changes, hint = ROW_MUTANTS[name]
+    src = ROW_PARALLEL_SOLUTION
+    for old, new in changes:
+        assert src.count(old) == 1, f"the reference no longer has {old!r}"
+        src = src.replace(old, new)
+    prelude = PRELUDE + ("from parlib.strategies.tensor_ops import "
+                         "copy_to_tensor_parallel_region\nimport torch.distributed.nn\n")
+    r = check("03.row_parallel", define_learner(src, "row_parallel_linear", prelude=prelude))
     assert r.status == "failed", r
-    assert "only microbatch 0's share" in r.message and "add into .grad" in r.message
+    assert hint in r.message, r.message
 
 
-def test_gpipe_rejects_backward_in_forward_order():
-    # consistent on every rank, so the all-learner cases pass: the mixed case catches it
-    r = check("03.gpipe", gpipe(BWD_ORDER="range(m)"))
-    assert r.status == "failed", r
-    assert "reference GPipe on ranks" in r.message and "m-1, ..., 0" in r.message
-
-
-def test_gpipe_rejects_loss_divided_by_wrong_count():
-    r = check("03.gpipe", gpipe(LOSS_DIV="tokens.shape[0]"))  # the batch size, not m
-    assert r.status == "failed", r
-    assert "0.5 x the single-device" in r.message and "divide each microbatch's loss by m" \
-        in r.message
-
-
-def test_gpipe_rejects_wrong_return():
-    r = check("03.gpipe", gpipe(RESULT="None"))
-    assert r.status == "failed", r
-    assert "returned None" in r.message
-
-
-def test_gpipe_deadlock_bounded_by_timeout():
-    # receives activations from rank + 1, which never sends them: every rank waits
-    t0 = time.monotonic()
-    r = check("03.gpipe", gpipe(FWD_SRC="(rank + 1) % stage.p"), timeout=5)
-    assert r.status == "failed", r
-    assert "did not finish after 5 s" in r.message
-    assert time.monotonic() - t0 < 25
-
-
-def test_gpipe_stub_not_attempted(capsys):
-    def gpipe_step(stage, tokens, targets, m):
-        raise NotImplementedError
-
-    assert check("03.gpipe", gpipe_step).status == "not attempted"
-    explain("03.gpipe")
-    assert "reversed(range(m))" not in capsys.readouterr().out  # no working before an attempt
-
-
-def _notebook_sources(kind):
-    import json
-    from pathlib import Path
-
-    nb = json.loads((Path(__file__).parents[2] / "notebooks/03_pipeline_parallel.ipynb")
-                    .read_text())
-    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == kind]
-
-
-def test_chapter_prose_facts_match_the_formulas():
-    import re
-
-    from parlib import cost
-
-    text = "\n".join(_notebook_sources("markdown"))
-    code = "\n".join(_notebook_sources("code"))
-    half = cost.min_microbatches(4, bubble_fraction(4, 8) / 2)
-    assert f"halving that needs m = {half}" in text and half == 19
-    # the explorer's m slider reaches the answer the text asks for (p = 8 under 10%)
-    slider = re.search(r"IntSlider\(value=8, min=1, max=(\d+), description=\"microbatches m\"",
-                       code)
-    assert slider and int(slider.group(1)) >= cost.min_microbatches(8, 0.1 - 1e-9)
-    assert "description_width" in code and code.count("display(explorer)") == 1
-    assert "widgets.interact(" not in code and "\nexplore()" not in code  # drawn once
-    # no test plumbing or course-symbol aliases in what the learner reads
-    assert "NBVAL" not in code and not re.search(r"\bP\.\w", text + code)
-    assert "tenths of a millisecond" not in text
+def test_row_parallel_stub_not_attempted():
+    stub = """
+def row_parallel_linear(x, linear, group=None):
+    raise NotImplementedError("your code here")
+"""
+    assert check("03.row_parallel", row(stub)).status == "not attempted"

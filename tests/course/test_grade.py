@@ -1,4 +1,4 @@
-"""python -m parlib grade: real kernels on chapter 00's solutions and exercises."""
+"""python -m parlib grade: real kernels on the launching chapter's solutions and exercises."""
 
 from __future__ import annotations
 

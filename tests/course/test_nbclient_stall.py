@@ -3,7 +3,7 @@
 nbclient's Output-widget mimic sends on the shell socket while it polls that socket for the
 cell's reply; about 1 cell in 100 the reply's wake-up is lost and the cell waits out the whole
 cell timeout with the kernel idle, then finishes as if nothing happened (seen on
-03_pipeline_parallel's ``widgets.interact`` cell). parlib.course.nbclient bounds that to 1 s.
+04_pipeline_parallel's ``widgets.interact`` cell). parlib.course.nbclient bounds that to 1 s.
 """
 
 import time

@@ -78,4 +78,4 @@ def test_load_or_measure_prefers_the_saved_fit(tmp_path, monkeypatch):
     assert calls == [(links.time_all_reduce, n, None, {"timeout": 9})]
     links.save_links({n: fit})
     again, source = links.load_or_measure(n, launch=fake_launch)
-    assert source == "chapter 00's fit" and again.alpha == fit.alpha and len(calls) == 1
+    assert source == "the launching chapter's fit" and again.alpha == fit.alpha and len(calls) == 1

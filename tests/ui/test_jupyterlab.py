@@ -1,8 +1,8 @@
 """The learner's view, in a real JupyterLab in a real browser (issue 15).
 
-nbval executes cells but never sees the page. This opens chapters 00 and 03 and exercise 00
+nbval executes cells but never sees the page. This opens the launching and pipeline chapters and the launching exercises
 in JupyterLab (headless Chromium), runs every cell, and checks what a learner sees: no error
-output, `[rank k]` lines streaming while a cell runs, the chapter 03 explorer drawn once and
+output, `[rank k]` lines streaming while a cell runs, the pipeline chapter's explorer drawn once and
 redrawn when a slider moves, notebooks that open unmodified, and, in a scratch notebook, how
 errors and interrupts on ranks look and what they leave behind.
 
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.ui, pytest.mark.timeout(RUN_ALL_TIMEOUT + 180)]
 
 CH00 = "notebooks/00_launching_ranks.ipynb"
 EX00 = "exercises/00_launching_ranks.ipynb"
-CH03 = "notebooks/03_pipeline_parallel.ipynb"
+CH03 = "notebooks/04_pipeline_parallel.ipynb"
 PROBE = "probe.ipynb"
 RANK_LINE = re.compile(r"\[rank \d+\]")
 
@@ -187,7 +187,7 @@ def test_notebook_opens_unmodified(page, path):
         "untouched would ask to save")
 
 
-# ---- chapter 03's explorer ----------------------------------------------------------------
+# ---- the pipeline chapter's explorer ----------------------------------------------------------------
 
 def _explorer(page):
     nb = run_all(page, CH03)

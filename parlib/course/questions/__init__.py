@@ -1,24 +1,28 @@
-"""The course's auto-graded questions, one module per chapter (``chNN.py``).
+"""The course's auto-graded questions, one module per chapter (``chNN.py``, NN from
+:data:`parlib.chapters.CHAPTERS`).
 
 Each module registers its questions with :func:`parlib.course.registry.register` when imported.
-Importing this package imports every chapter module; one that fails to import is reported
+Importing this package imports every chapter's module; one that fails to import is reported
 with a warning and does not hide the others.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
-import re
+import importlib.util
 import warnings
+
+from parlib.chapters import CHAPTERS as _ALL
 
 CHAPTERS: list[str] = []
 
-for _info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-    if re.fullmatch(r"ch\d\d", _info.name):
-        try:
-            importlib.import_module(f"{__name__}.{_info.name}")
-        except Exception as _exc:  # noqa: BLE001 - one broken chapter must not hide the rest
-            warnings.warn(f"parlib.course.questions.{_info.name} failed to import: {_exc!r}")
-        else:
-            CHAPTERS.append(_info.name[2:])
+for _chapter in _ALL:
+    _name = f"{__name__}.ch{_chapter.number}"
+    if importlib.util.find_spec(_name) is None:
+        continue  # a chapter without exercises
+    try:
+        importlib.import_module(_name)
+    except Exception as _exc:  # noqa: BLE001 - one broken chapter must not hide the rest
+        warnings.warn(f"{_name} failed to import: {_exc!r}")
+    else:
+        CHAPTERS.append(_chapter.number)

@@ -1,4 +1,4 @@
-"""Chapter 01 questions: data parallelism (notebook 01_data_parallel)."""
+"""Questions of the data-parallel chapter: data parallelism (notebook 01_data_parallel)."""
 
 from __future__ import annotations
 

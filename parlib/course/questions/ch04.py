@@ -1,310 +1,469 @@
-"""Chapter 04 questions: combining the three strategies (notebook 04_combining)."""
+"""Questions of the pipeline chapter: pipeline parallelism (notebook 04_pipeline_parallel)."""
 
 from __future__ import annotations
 
 import textwrap
-from typing import Any
+from typing import Any, Callable
 
-from parlib.cost import Cluster, Model, estimate, model_state_bytes
-from parlib.course.question_types import Choice, Numeric, Question, is_stub
+import torch
+
+from parlib.cost import bubble_fraction, min_microbatches, predicted_sent_bytes
+from parlib.course.question_types import Choice, Implementation, Numeric, current_timeout
 from parlib.course.registry import register
-from parlib.course.results import CheckFailed, NotAttempted
-from parlib.strategies import mesh as meshlib
+from parlib.course.results import CheckFailed
+from parlib.verify import close, reference_step
 
-GiB = 2**30
+MiB = 2**20
 
-# --------------------------------------------------------------------------- the rank layout
-
-MESH_SOLUTION = '''\
-def mesh_position(rank, d, t, p):
-    """Coordinates, groups and pipeline neighbours of global ``rank`` in a d x t x p mesh
-    with axes (pp, dp, tp), tp varying fastest: rank = (pp * d + dp) * t + tp."""
-    tp = rank % t
-    dp = (rank // t) % d
-    pp = rank // (t * d)
-
-    def at(pp_, dp_, tp_):
-        return (pp_ * d + dp_) * t + tp_
-
-    return {
-        "pp": pp, "dp": dp, "tp": tp,
-        "tp_group": [at(pp, dp, i) for i in range(t)],
-        "dp_group": [at(pp, i, tp) for i in range(d)],
-        "pp_group": [at(i, dp, tp) for i in range(p)],
-        "pp_prev": at(pp - 1, dp, tp) if pp > 0 else None,
-        "pp_next": at(pp + 1, dp, tp) if pp < p - 1 else None,
-    }
-'''
-
-_KEYS = ("pp", "dp", "tp", "tp_group", "dp_group", "pp_group", "pp_prev", "pp_next")
-_LAYOUTS = [(2, 2, 2), (2, 4, 1), (4, 1, 2), (1, 2, 4), (3, 2, 2), (2, 3, 4), (4, 2, 3)]
-
-
-def expected_position(rank: int, d: int, t: int, p: int) -> dict[str, Any]:
-    """The right answer, from :mod:`parlib.strategies.mesh` (the code the course runs)."""
-    c = meshlib.coords(rank, dp=d, pp=p, tp=t)
-    prev, nxt = meshlib.pipeline_neighbours(rank, dp=d, pp=p, tp=t)
-    return {**c, **{f"{a}_group": meshlib.axis_ranks(a, rank, dp=d, pp=p, tp=t)
-                    for a in ("tp", "dp", "pp")}, "pp_prev": prev, "pp_next": nxt}
-
-
-def _position(rank: int, sizes: dict[str, int], order: tuple[str, ...]) -> dict[str, Any]:
-    """Coordinates and groups in a mesh whose axes run ``order`` (slowest to fastest)."""
-    coord, rest = {}, rank
-    for axis in reversed(order):
-        rest, coord[axis] = divmod(rest, sizes[axis])
-
-    def at(c: dict[str, int]) -> int:
-        r = 0
-        for axis in order:
-            r = r * sizes[axis] + c[axis]
-        return r
-
-    out: dict[str, Any] = dict(coord)
-    for axis in ("tp", "dp", "pp"):
-        out[f"{axis}_group"] = [at({**coord, axis: i}) for i in range(sizes[axis])]
-    return out
-
-
-_PLACE_KEYS = ("pp", "dp", "tp", "tp_group", "dp_group", "pp_group")
-
-
-def _diagnose(got: dict, want: dict, rank: int, d: int, t: int, p: int) -> str:
-    sizes = {"dp": d, "tp": t, "pp": p}
-    swapped = _position(rank, sizes, ("pp", "tp", "dp"))
-    column = _position(rank, sizes, ("tp", "dp", "pp"))
-    if all(got[k] == swapped[k] for k in _PLACE_KEYS):
-        return ("your dp and tp axes are swapped: tp varies fastest (adjacent ranks share a "
-                "tensor-parallel group), then dp, then pp")
-    if all(got[k] == column[k] for k in _PLACE_KEYS):
-        return ("you made pp vary fastest (column-major); the mesh is row-major over (pp, dp, "
-                "tp): rank = (pp x d + dp) x t + tp, so tp varies fastest")
-    if all(got[k] == want[k] for k in _PLACE_KEYS):
-        off_by_one = ((got["pp_prev"] is not None and got["pp_prev"] == rank - 1)
-                      or (got["pp_next"] is not None and got["pp_next"] == rank + 1))
-        if off_by_one and d * t > 1:
-            return ("the previous/next pipeline stage is not rank - 1 / rank + 1: it is the "
-                    "rank with the same dp and tp index one stage away, d x t ranks apart")
-    for key in _KEYS:
-        if got.get(key) != want[key]:
-            return f"{key} is {got.get(key)!r}, expected {want[key]!r}"
-    return "wrong"
-
-
-def _grade_mesh(fn) -> None:
-    for d, t, p in _LAYOUTS:
-        for rank in range(d * t * p):
-            want = expected_position(rank, d, t, p)
-            got = fn(rank, d, t, p)
-            if not isinstance(got, dict):
-                raise CheckFailed(f"mesh_position returned a {type(got).__name__}; return a "
-                                  f"dict with the keys {', '.join(_KEYS)}")
-            missing = [k for k in _KEYS if k not in got]
-            if missing:
-                raise CheckFailed(f"the returned dict has no key {missing[0]!r}")
-            got = {k: (list(v) if isinstance(v, (list, tuple, range)) else v)
-                   for k, v in got.items()}
-            if any(got[k] != want[k] for k in _KEYS):
-                hint = _diagnose(got, want, rank, d, t, p)
-                raise CheckFailed(f"rank {rank} of d x t x p = {d} x {t} x {p}: {hint}")
-
-
-class _Function(Question):
-    """A function checked by a pure-Python grader (no ranks)."""
-
-    kind = "function"
-
-    def __init__(self, id, grader, *, prompt, working, points=1) -> None:
-        super().__init__(id, prompt=prompt, working=working, points=points)
-        self.grader = grader
-
-    def grade(self, answer):
-        if is_stub(answer):
-            raise NotAttempted
-        if not callable(answer):
-            raise CheckFailed(f"you gave a {type(answer).__name__}: pass the function itself")
-        self.grader(answer)
-        return "correct"
-
-
-register(_Function(
-    "04.mesh_position",
-    _grade_mesh,
-    prompt="""
-        Write mesh_position(rank, d, t, p) -> dict: for global rank `rank` of a d x t x p
-        mesh with axes (pp, dp, tp), tp varying fastest, return its coordinates "pp", "dp",
-        "tp", its groups "tp_group", "dp_group", "pp_group" (global ranks in order of
-        their index on that axis) and its pipeline neighbours "pp_prev", "pp_next" (global
-        ranks, None at the ends). Checked on every rank of seven layouts.
-    """,
-    working=textwrap.dedent("""
-        Row-major over (pp, dp, tp) means rank = (pp x d + dp) x t + tp: peel the fastest
-        axis off first, tp = rank mod t, then dp = (rank div t) mod d, then
-        pp = rank div (t x d). A group along one axis is every rank whose two other
-        coordinates are the same: vary that axis's index and rebuild the rank. The pipeline
-        neighbours are the pp group's previous and next members, d x t ranks away, not
-        rank - 1 and rank + 1 (those are tensor-parallel partners).
-    """) + "\n```python\n" + MESH_SOLUTION + "```\n",
-))
-
-# --------------------------------------------------------------------------- chips and memory
+# --------------------------------------------------------------------------- numeric
 
 register(Numeric(
-    "04.seed_chips",
-    4 * 4 * 64,
-    rtol=0.0,
-    unit="chips",
+    "04.bubble_naive",
+    bubble_fraction(4, 1),
     prompt="""
-        "A model too big for one GPU is sliced 4 ways (model parallel) and laid out as 4
-        stages (pipeline). That whole setup is then copied 64 times (data parallel)." Take
-        it literally: t = 4, p = 4, d = 64. How many chips is that?
+        Four stages in a line run one batch with no microbatches (m = 1): each stage does
+        its forward, then the backward comes back. What fraction of the step is each
+        stage idle? Give a number between 0 and 1.
     """,
     working="""
-        One copy is t x p = 4 x 4 = 16 chips (each of the 4 stages is sliced over 4
-        chips), and there are d = 64 copies: 64 x 4 x 4 = **1024** chips, not the 256 the
-        text says. 256 needs 16 copies of the 16-chip setup, or a 4-chip setup (2 x 2, or
-        4 stages with no slicing) copied 64 times.
+        Count time in slots of one stage's forward + backward of the batch. The step lasts
+        m + p - 1 = 1 + 3 = 4 slots (the work passes through the 4 stages one after the
+        other) and each stage works in 1 of them, so the idle fraction is
+
+        (p - 1) / (m + p - 1) = 3 / 4 = **0.75**.
+
+        Three quarters of the machine you pay for waits: that is the pipeline bubble.
     """,
-    mistakes={256: "that is what the text claims; multiply the three degrees d x t x p",
-              68: "the degrees multiply, they do not add",
-              72: "the degrees multiply, they do not add"},
+    mistakes={
+        0.25: "that is the fraction each stage is busy; the question asks for the idle part",
+        3.0: "give a fraction of the step (between 0 and 1), not a number of slots",
+        1.0: "each stage does work in one slot of the step: it is not idle all the time",
+    },
 ))
 
 register(Numeric(
-    "04.seed_copies",
-    256 // (4 * 4),
-    rtol=0.0,
-    unit="copies",
+    "04.bubble",
+    bubble_fraction(4, 8),
     prompt="""
-        Keep the slicing (t = 4) and the stages (p = 4) of that layout. How many
-        data-parallel copies d fit on 256 chips?
+        The same four stages now cut the batch into m = 8 microbatches and run GPipe (all
+        forwards, then all backwards). What fraction of the step is a stage idle? Give a
+        number between 0 and 1 (a fraction such as 1/5 is fine).
     """,
     working="""
-        d = 256 / (t x p) = 256 / 16 = **16**.
+        The step now lasts m + p - 1 = 8 + 3 = 11 slots of one microbatch's forward +
+        backward, and every stage works in m = 8 of them:
+
+        bubble = (p - 1) / (m + p - 1) = 3 / 11 = **0.2727**.
+
+        Compare 3/4 with m = 1: the p - 1 = 3 slots of filling and draining stay, but they
+        are now shared by 8 slots of work instead of 1.
     """,
-    mistakes={64: "64 copies of a 16-chip setup are 1024 chips",
-              4: "256 / 4 divides by only one of t and p; one copy is t x p chips"},
+    mistakes={
+        3 / 8: "3/8 = (p-1)/m is the bubble relative to the ideal (bubble-free) time; the "
+               "question asks for the fraction of the whole step, (p-1)/(m+p-1)",
+        8 / 11: "that is the fraction a stage is busy; the idle part is 1 minus it",
+        4 / 12: "the step lasts m + p - 1 slots, not m + p",
+        3 / 12: "the step lasts m + p - 1 = 11 slots, not m + p = 12",
+        0.75: "that is the bubble with m = 1; with 8 microbatches the fill/drain is shared",
+    },
 ))
 
-_P_SEED = 48e9
-_SEED_MEMORY = model_state_bytes(_P_SEED, mixed_precision=True) / (4 * 4) / GiB
+# "the bubble under 10%" read as the other definition, bubble / ideal time = (p-1)/m
+_MIN_M_RELATIVE = min_microbatches(8, 0.1 - 1e-9, relative=True)
 
 register(Numeric(
-    "04.seed_memory",
-    _SEED_MEMORY,
-    rtol=1e-2,
-    unit="GiB",
+    "04.min_microbatches",
+    min_microbatches(8, 0.1 - 1e-9),
+    rtol=0.0,
+    atol=0.0,
+    unit="microbatches",
     prompt="""
-        The model has P = 48 billion parameters and trains with Adam in mixed precision
-        (16 bytes per parameter of weights, gradients and optimizer state, chapter 01).
-        On the 16 x 4 x 4 layout, how many GiB of these model states does one chip hold?
-        Ignore activations; 1 GiB = 2^30 bytes.
+        A pipeline has p = 8 stages and runs GPipe (or 1F1B). What is the smallest number of
+        microbatches m that keeps the bubble under 10% of the step (strictly below 0.1)?
+        Give a whole number.
     """,
-    working=f"""
-        Tensor parallelism keeps 1/t of every layer's weights, the pipeline 1/p of the
-        layers, and data parallelism (without ZeRO) copies everything: each chip holds
-        16 x P / (t x p) = 16 x 48e9 / 16 = 48e9 bytes = **{_SEED_MEMORY:.1f} GiB**.
-        d does not appear: copies do not share the memory.
+    working="""
+        The bubble here is the idle fraction **of the step**, (p - 1) / (m + p - 1) (not the
+        bubble relative to the ideal time, (p - 1) / m). Solve
+        (p - 1) / (m + p - 1) < 0.1 with p = 8:
+
+        7 / (m + 7) < 0.1  <=>  m + 7 > 70  <=>  m > 63, so **m = 64**.
+
+        With m = 63 the bubble is 7/70 = exactly 10%. A rule of thumb follows: m must be
+        about 9 x (p - 1) for a 10% bubble, so deep pipelines need many microbatches, and
+        each microbatch must stay large enough to keep a device busy.
     """,
-    mistakes={16 * _P_SEED / 4 / GiB: "divide by both t and p: each chip holds 1/t of the "
-                                      "matrices of 1/p of the layers",
-              16 * _P_SEED / 256 / GiB: "data-parallel copies each hold everything (ZeRO "
-                                        "would shard it; plain data parallelism does not)",
-              16 * _P_SEED / 16 / 1e9: "that is in GB (10^9 bytes); give GiB (2^30)"},
+    mistakes={
+        63: "with m = 63 the bubble is 7/70 = 0.1 exactly, not under it",
+        70: "70 is m + p - 1; subtract p - 1 = 7",
+        _MIN_M_RELATIVE: "that solves (p-1)/m < 0.1, the bubble relative to the ideal "
+                         "(bubble-free) time; this question uses the fraction of the whole "
+                         "step, (p-1)/(m+p-1) < 0.1",
+        7: "7 = p - 1 is the number of fill/drain slots, not the microbatches needed",
+    },
+))
+
+register(Numeric(
+    "04.gpipe_inflight",
+    8,
+    rtol=0.0,
+    unit="microbatches",
+    prompt="""
+        p = 4 stages, m = 8 microbatches, GPipe. At its peak, how many microbatches'
+        activations does the first stage (rank 0) hold for the backward? Give a whole
+        number of microbatches.
+    """,
+    working="""
+        GPipe runs every forward before any backward, so all m = **8** microbatches have
+        saved their activations when the first backward starts: the peak, counted in
+        microbatches, is m. In bytes it depends on how the batch is cut: with the batch
+        fixed, m microbatches of B/m rows add up to the whole batch's activations for any
+        m; with the microbatch size fixed (the usual way to grow m), the bytes grow with m.
+    """,
+    mistakes={
+        4: "that is 1F1B's peak on rank 0; GPipe starts no backward until all forwards ran",
+        1: "GPipe keeps every microbatch's activations until its backward",
+        3: "GPipe runs all m forwards before the first backward",
+    },
+))
+
+register(Numeric(
+    "04.1f1b_inflight",
+    4,
+    rtol=0.0,
+    unit="microbatches",
+    prompt="""
+        The same pipeline (p = 4, m = 8) runs 1F1B instead: rank r does p - 1 - r warm-up
+        forwards, then alternates one forward and one backward. At its peak, how many
+        microbatches' activations does the first stage (rank 0) hold? Give a whole number.
+    """,
+    working="""
+        Rank 0 does p - 1 - 0 = 3 warm-up forwards, then the forward of a 4th microbatch
+        before its first backward (of microbatch 0). From then on every forward is followed
+        by a backward, so the count never goes above **4** = p - rank. The last stage holds
+        1 at a time. Unlike GPipe (8 here), the peak does not grow with m.
+    """,
+    mistakes={
+        3: "after the 3 warm-up forwards, rank 0 runs one more forward before its first "
+           "backward",
+        8: "that is GPipe's peak: 1F1B starts backwards before all forwards have run",
+        1: "that is the last stage's peak; rank 0 has p - 1 = 3 warm-up forwards",
+        2: "count the warm-up forwards (p - 1 - rank) plus the one before the first backward",
+    },
+))
+
+_B, _S, _H = 16, 1024, 4096
+register(Numeric(
+    "04.boundary_bytes",
+    2 * _B * _S * _H * 2,
+    unit="bytes",
+    prompt="""
+        A pipeline stage boundary on a model with hidden size h = 4096, sequence length
+        s = 1024, a global batch of B = 16 sequences cut into m = 8 microbatches, with
+        activations and their gradients in bf16 (2 bytes). How many bytes cross that one
+        boundary per training step, counting both directions? Give a number in bytes.
+    """,
+    working="""
+        Forward: each microbatch sends its hidden states, (B/m) x s x h values; the m
+        microbatches add up to the batch: B x s x h = 16 x 1024 x 4096 = 67,108,864 values,
+        x 2 bytes = 128 MiB.
+
+        Backward: the gradient of those hidden states has the same shape: another 128 MiB.
+
+        Total **268,435,456 bytes** (256 MiB) per step, whatever m is. Compare data
+        parallelism, whose bill (an all-reduce of every gradient) grows with the number of
+        parameters instead.
+    """,
+    mistakes={
+        _B * _S * _H * 2: "that is one direction; the gradients come back the same way "
+                          "(or, if you counted values in both directions, multiply by 2 "
+                          "bytes per bf16 value)",
+        2 * _B * _S * _H * 2 * 8: "the microbatches are slices of the batch: m does not "
+                                  "multiply the bytes",
+        2 * _B * _S * _H * 4: "bf16 is 2 bytes per value, not 4",
+        2 * _B * _S * _H * 2 // 8: "each microbatch carries B/m rows; all m of them cross",
+        256: "that is in MiB; give bytes",
+    },
 ))
 
 register(Choice(
-    "04.crosses_nodes",
+    "04.more_stages",
     "B",
     options={
-        "A": "Only the pipeline sends and receives cross nodes.",
-        "B": "Pipeline sends and data-parallel all-reduces cross nodes; tensor-parallel "
-             "all-reduces stay inside a node.",
-        "C": "All three cross nodes.",
-        "D": "Only the tensor-parallel all-reduces cross nodes.",
+        "A": "Adding stages removes the bubble, as long as every stage gets the same number "
+             "of layers.",
+        "B": "Each extra stage adds a slot to fill and to drain the pipe: the bubble "
+             "(p-1)/(m+p-1) grows with p. Only more microbatches per step (or interleaving) "
+             "shrink it.",
+        "C": "The bubble is caused by slow links between stages; more stages do not make "
+             "links faster.",
+        "D": "The bubble is caused by the gradient all-reduce at the end of the step, which "
+             "more stages do not shorten.",
     },
     prompt="""
-        64 GPUs in nodes of 8 (GPUs 0-7 in node 0, 8-15 in node 1, ...) run d x t x p =
-        4 x 4 x 4 with the mesh order (pp, dp, tp), tp fastest. Which communication
-        crosses nodes? Give one letter.
+        A colleague proposes to remove the bubble by cutting the model into more, shorter
+        stages ("each stage then finishes sooner"). Why does that not work? Give one letter.
     """,
     working="""
-        **B**. A tensor-parallel group is 4 consecutive ranks (0-3, 4-7, ...): inside one
-        node. A data-parallel group is t = 4 ranks apart and spans d x t = 16 ranks
-        (0, 4, 8, 12): two nodes. A pipeline group is d x t = 16 ranks apart (0, 16, 32,
-        48): four nodes. This is the point of the order: the axis that talks at every
-        layer (tp) gets the fast in-node links.
+        **B**. With p stages, the first microbatch needs p - 1 slots to reach the last
+        stage, and the last one needs p - 1 slots to come back: the fill and drain do not
+        depend on how short a stage is, only on how many there are. Shorter stages shrink
+        each slot, and the whole step with it, but the idle fraction (p-1)/(m+p-1) grows
+        with p: with m = 8, p = 4 gives 3/11 = 27%, p = 8 gives 7/15 = 47%. The bubble
+        exists even with infinitely fast links (C) and without any all-reduce (D).
     """,
-    hints={"A": "write out rank 0's data-parallel group: ranks t apart, d of them",
-           "C": "write out rank 0's tensor-parallel group: which ranks, which node?",
-           "D": "tp varies fastest: its groups are consecutive ranks"},
+    hints={
+        "A": "try p = 8 instead of 4 with m = 8 in (p-1)/(m+p-1): does the bubble shrink?",
+        "C": "the bubble appears in the timelines even with instant links: it is stages "
+             "waiting for work, not for bytes",
+        "D": "a pipeline alone has no all-reduce; the bubble is the pipe filling and draining",
+    },
 ))
 
-# --------------------------------------------------------------------------- pick a layout
-
-PICK_MODEL = Model(60, 8192, 64, 2048, 32000, name="a 60-layer model")
-PICK_CLUSTER = Cluster.dgx_a100(64)
-PICK_BATCH = 128  # sequences per step; m = PICK_BATCH / d microbatches of one sequence
-
-
-def pick_layout_problems(d: int, t: int, p: int) -> str | None:
-    """None if (d, t, p) follows the rules taught, else the first rule it breaks."""
-    n, node = PICK_CLUSTER.n_devices, PICK_CLUSTER.devices_per_node
-    if d * t * p != n:
-        return f"d x t x p = {d} x {t} x {p} = {d * t * p}, but there are {n} GPUs"
-    if t > node:
-        return (f"t = {t} is more than the {node} GPUs of a node: the tensor-parallel "
-                f"all-reduces of every layer would cross the slow network")
-    if PICK_MODEL.n_heads % t:
-        return f"t = {t} does not divide the {PICK_MODEL.n_heads} attention heads"
-    if PICK_MODEL.n_layers % p:
-        return f"p = {p} does not divide the {PICK_MODEL.n_layers} layers into equal stages"
-    est = estimate(PICK_MODEL, PICK_CLUSTER, d=d, t=t, p=p, m=PICK_BATCH // d,
-                   global_batch=PICK_BATCH)
-    if not est.fits:
-        return (f"it does not fit: {est.memory_total / GiB:.0f} GiB per GPU (cost.estimate) "
-                f"against {PICK_CLUSTER.memory_bytes / GiB:.1f} GiB")
-    return None
-
-
-class _Layout(Question):
-    kind = "layout"
-
-    def grade(self, answer):
-        if is_stub(answer):
-            raise NotAttempted
-        try:
-            d, t, p = (int(x) for x in answer)
-        except (TypeError, ValueError):
-            raise CheckFailed("give three whole numbers (d, t, p), e.g. (8, 4, 2)") from None
-        if min(d, t, p) < 1:
-            raise CheckFailed("every degree must be at least 1")
-        problem = pick_layout_problems(d, t, p)
-        if problem:
-            raise CheckFailed(f"({d}, {t}, {p}): {problem}")
-        return "correct"
-
-
-register(_Layout(
-    "04.pick_layout",
-    prompt=f"""
-        Pick (d, t, p) for {PICK_MODEL.name} ({PICK_MODEL.n_params / 1e9:.0f} billion
-        parameters, {PICK_MODEL.n_layers} layers, {PICK_MODEL.n_heads} heads) on 64 A100
-        GPUs of 80 GB in nodes of 8, global batch {PICK_BATCH} sequences (microbatches of
-        one sequence). The rules: d x t x p = 64; t within a node and dividing the heads;
-        p dividing the layers; memory per GPU under 80 GB by `cost.estimate` (mixed
-        precision, Adam). Give a tuple (d, t, p).
+_P_DP, _D_DP, _PARAMS_DP = 4, 2, 8_000_000_000
+_DP_BYTES = predicted_sent_bytes("all_reduce", 4 * _PARAMS_DP / _P_DP, _D_DP)
+register(Choice(
+    "04.dp_pp_sync",
+    "C",
+    options={
+        "A": "After every microbatch's backward, all 8 ranks all-reduce all their gradients.",
+        "B": "Once per step, all 8 ranks all-reduce the whole model's gradients together.",
+        "C": "Once per step, after the flush: each stage all-reduces its own gradients with "
+             "the same stage of the other copy (4 groups of 2 ranks, each 1/4 of the "
+             "parameters).",
+        "D": "Never: the pipeline's send and recv already carry the gradients between the "
+             "copies.",
+    },
+    prompt="""
+        You run d = 2 copies of a p = 4 stage pipeline on 8 ranks (data parallelism on top
+        of pipeline parallelism). When, and between which ranks, are the gradients
+        averaged? Give one letter.
     """,
-    working="""
-        Tensor parallelism first, inside the node: t = 8 at most. Memory: 16 bytes x P
-        / (t x p) must leave room for activations in 74.5 GiB, so t x p >= 16 or so. p must
-        divide 60: 1, 2, 3, 4, 5, 6, 10, 12, 15, ... and t x p must divide 64, so p is 1, 2
-        or 4. With t = 8, p = 2 or 4 fit (d = 4 or 2); with t = 4, p = 4 (d = 4) fits.
-        (2, 8, 4) leaves the most room. (1, 8, 8) is out: 8 does not divide 60, and
-        (4, 16, 1) fits but puts tensor parallelism across nodes.
+    working=f"""
+        **C**. Stage i of both copies holds the same layers, so only those two ranks share
+        parameters: they form a data-parallel group of d = 2 ranks, one group per stage.
+        A stage's gradients are complete only after the flush, when the last microbatch's
+        backward has run on it; syncing after each microbatch (A) would send them m times.
+        Each group all-reduces 1/p of the parameters. For a model of P = 8e9 parameters
+        with fp32 gradients, a rank sends 2(d-1)/d x 4 bytes x P/p = {_DP_BYTES:,.0f}
+        bytes per step: 1/p of what plain data parallelism on the whole model sends. A
+        stage can start its all-reduce as soon as its own last backward ends, overlapping
+        the drain of the stages before it. The pipeline's messages (D) carry activations and their
+        gradients between stages of one copy, never parameter gradients between copies.
     """,
+    hints={
+        "A": "a stage's gradients accumulate over the m microbatches: they are complete "
+             "only after the last backward of the step",
+        "B": "only ranks that hold the same layers share parameters: which ranks hold "
+             "stage 2's layers?",
+        "D": "send and recv in a pipeline move activations and their gradients along one "
+             "copy; which ranks hold the same parameters?",
+    },
 ))
 
+# --------------------------------------------------------------------------- GPipe
 
-__all__ = ["MESH_SOLUTION", "PICK_CLUSTER", "PICK_MODEL", "expected_position",
-           "pick_layout_problems"]
+CFG_KW = dict(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
+SEED = 3
+BATCH = 8
+
+
+# The exercise's solution, written once: the checker runs it as the reference, and the
+# worked answer shows the same text.
+GPIPE_SOLUTION = """\
+def gpipe_step(stage, tokens, targets, m):
+    rank = stage.rank
+    dev = next(stage.parameters()).device
+    xs, ys = tokens.chunk(m), targets.chunk(m)
+    inputs, outputs, total = [], [], 0.0
+    for i in range(m):
+        if stage.is_first:
+            x = xs[i].to(dev)
+        else:
+            x = torch.empty(stage.activation_shape(xs[i].shape[0]), device=dev)
+            dist.recv(x, rank - 1)
+            x.requires_grad_()
+        y = stage(x)
+        if stage.is_last:
+            y = loss_fn(y, ys[i].to(dev)) / m
+            total += y.item()
+        else:
+            dist.send(y.detach(), rank + 1)
+        inputs.append(x)
+        outputs.append(y)
+    for i in reversed(range(m)):
+        if stage.is_last:
+            outputs[i].backward()
+        else:
+            grad = torch.empty_like(outputs[i])
+            dist.recv(grad, rank + 1)
+            outputs[i].backward(grad)
+        if not stage.is_first:
+            dist.send(inputs[i].grad, rank - 1)
+    return total if stage.is_last else None
+"""
+
+
+def _define_reference() -> Callable:
+    import torch.distributed as dist
+
+    from parlib.model import loss_fn
+
+    namespace = {"torch": torch, "dist": dist, "loss_fn": loss_fn, "__name__": __name__}
+    exec(compile(GPIPE_SOLUTION, f"<{__name__} reference>", "exec"), namespace)  # noqa: S102
+    return namespace["gpipe_step"]
+
+
+reference_gpipe = _define_reference()
+
+
+def _gpipe_rank(fn: Callable, m: int, learner_ranks: tuple[int, ...]) -> dict[str, Any]:
+    """Runs on every rank: this rank's stage, the learner's or the reference step."""
+    import torch.distributed as dist
+
+    from parlib.model import ModelConfig, make_batch
+    from parlib.runtime import device
+    from parlib.strategies.pipeline import build_stage
+
+    cfg = ModelConfig(**CFG_KW)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = build_stage(cfg, SEED, rank, p, device())
+    tokens, targets = make_batch(BATCH, cfg, 0, SEED)
+    step = fn if rank in learner_ranks else reference_gpipe
+    out = step(stage, tokens.clone(), targets.clone(), m)
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    elif out is not None and not isinstance(out, (int, float)):
+        out = f"<{type(out).__name__}>"
+    return {"loss": out, "grads": stage.grads(),
+            "missing": [n for n, prm in stage.named_parameters() if prm.grad is None]}
+
+
+def _reference(m: int) -> dict[str, Any]:
+    """Single-device loss, gradients, and each microbatch's gradient contribution."""
+    from parlib.model import ModelConfig, build_model, loss_fn, make_batch
+
+    cfg = ModelConfig(**CFG_KW)
+    full = reference_step(cfg, seed=SEED, batch_size=BATCH)
+    tokens, targets = make_batch(BATCH, cfg, 0, SEED)
+    model = build_model(cfg, SEED)
+    per_mb = []
+    for x, y in zip(tokens.chunk(m), targets.chunk(m)):
+        model.zero_grad(set_to_none=True)
+        (loss_fn(model(x), y) / m).backward()
+        per_mb.append({n: prm.grad.clone() for n, prm in model.named_parameters()})
+    return {"loss": full["loss"], "grads": full["grads"], "per_mb": per_mb}
+
+
+def _diagnose_grads(got: dict[str, torch.Tensor], ref: dict[str, Any], m: int,
+                    rank: int) -> str | None:
+    want = ref["grads"]
+    bad = [n for n in got if not close(got[n], want[n])]
+    if not bad:
+        return None
+    name = bad[0]
+    g = torch.cat([got[n].flatten() for n in got])
+    w = torch.cat([want[n].flatten() for n in got])
+    if not torch.isfinite(g).all():
+        return f"stage {rank} has NaN or inf gradients"
+    scale = (g @ w / (w @ w)).item()
+    if abs(scale - 1) > 1e-3 and close(g, scale * w):
+        return (f"the gradients on stage {rank} are {scale:.4g} x the single-device ones "
+                f"(on every parameter): divide each microbatch's loss by m = {m}, the number "
+                f"of microbatches, so that the m backwards add up to the full-batch mean")
+    for i, part in enumerate(ref["per_mb"]):
+        if all(close(got[n], part[n]) for n in got):
+            return (f"stage {rank} holds only microbatch {i}'s share of the gradient: the "
+                    f"backward of each microbatch must add into .grad (do not zero the "
+                    f"gradients or replace .grad between microbatches)")
+    err = (got[name] - want[name]).abs().max().item()
+    return (f"stage {rank}'s gradient of {name} differs from the single-device step "
+            f"(max |difference| {err:.3g}, {len(bad)} of {len(got)} parameters wrong). Check "
+            f"that each gradient you receive is applied to the microbatch it belongs to: "
+            f"the backward goes m-1, ..., 0 on every stage, and the gradient you send is "
+            f"the .grad of that microbatch's stage input")
+
+
+def _grade_gpipe(fn: Callable) -> None:
+    from parlib.runtime import launch
+
+    cases = [  # (p, m, ranks running the learner's function, what the case tests)
+        (2, 4, (0, 1), "on 2 ranks"),
+        (4, 4, (0, 1, 2, 3), "on 4 ranks"),
+        (4, 2, (1, 3), "on 4 ranks with your function on ranks 1 and 3 and the reference "
+                       "GPipe on ranks 0 and 2"),
+        (4, 2, (0, 2), "on 4 ranks with your function on ranks 0 and 2 and the reference "
+                       "GPipe on ranks 1 and 3"),
+    ]
+    for p, m, learner, where in cases:
+        where = f"{where}, m = {m}, batch {BATCH}"
+        results = launch(_gpipe_rank, fn, m, learner, world_size=p, timeout=current_timeout())
+        ref = _reference(m)
+        mixed = len(learner) < p
+        protocol = (" Your stage must follow the same message order as the reference: "
+                    "forwards of microbatches 0, ..., m-1 (each output sent to rank + 1), "
+                    "then backwards of m-1, ..., 0 (each input gradient sent to rank - 1)."
+                    if mixed else "")
+        for r in range(p):
+            res = results[r]
+            if r in learner and res["missing"]:
+                raise CheckFailed(f"{where}: stage {r} has no gradient for "
+                                  f"{res['missing'][0]}: did its backward run?")
+            problem = _diagnose_grads(res["grads"], ref, m, r)
+            if problem:
+                raise CheckFailed(f"{where}: {problem}.{protocol}")
+        last = results[p - 1]["loss"]
+        if (p - 1) in learner:
+            if not isinstance(last, (int, float)):
+                raise CheckFailed(f"{where}: the last stage returned {last!r}; return the "
+                                  f"full-batch loss as a float (the sum of the m microbatch "
+                                  f"losses, each divided by m)")
+            if abs(last - ref["loss"]) > 1e-4 * abs(ref["loss"]):
+                ratio = last / ref["loss"]
+                hint = (f" ({ratio:.3g} x the expected value: sum the microbatch losses "
+                        f"after dividing each by m)") if abs(ratio - round(ratio)) < 1e-3 \
+                    else ""
+                raise CheckFailed(f"{where}: the last stage returned loss {last:.6g}, the "
+                                  f"single-device loss is {ref['loss']:.6g}{hint}")
+        for r in learner:
+            if r != p - 1 and results[r]["loss"] is not None:
+                raise CheckFailed(f"{where}: stage {r} returned {results[r]['loss']!r}; "
+                                  f"only the last stage returns the loss, the others None")
+
+
+register(Implementation(
+    "04.gpipe",
+    _grade_gpipe,
+    timeout=30.0,
+    prompt="""
+        Write gpipe_step(stage, tokens, targets, m) -> float | None: one GPipe training
+        step of this rank's stage, with dist.send / dist.recv between neighbouring ranks.
+        Forwards of microbatches 0, ..., m-1 (each stage output sent to rank + 1), then
+        backwards of m-1, ..., 0 (the gradient of each stage input sent to rank - 1); each
+        microbatch's loss divided by m, gradients accumulated in .grad. The last stage
+        returns the full-batch loss, the others None. Checked on 2 and 4 ranks against the
+        single-device gradients (rtol 1e-4), and mixed with the reference on 4 ranks.
+    """,
+    working=textwrap.dedent("""
+        Cut the batch with `tokens.chunk(m)` and `targets.chunk(m)`. Keep, for each
+        microbatch, the stage's input `x` and output `y`: the backward needs both.
+
+        **Forwards**, i = 0, ..., m-1. The first stage feeds its tokens; the others
+        `dist.recv` a buffer of `stage.activation_shape(b)` from rank - 1 and call
+        `requires_grad_()` on it, so that autograd computes its gradient. Run `y = stage(x)`.
+        The last stage turns y into `loss_fn(y, targets_i) / m`; the others
+        `dist.send(y.detach(), rank + 1)`.
+
+        **Backwards**, i = m-1, ..., 0 (the newest activations first; the order must match
+        on both sides of every boundary, or a gradient lands on the wrong microbatch). The
+        last stage calls `loss_i.backward()`; the others receive the gradient of y from
+        rank + 1 and call `y.backward(grad)`. Then every stage but the first sends
+        `x.grad` to rank - 1.
+
+        Dividing by m makes the sum of the m microbatch gradients equal the gradient of
+        the full-batch mean loss, and `.backward()` adds into `.grad`, so nothing else is
+        needed. All sends of the forward phase go to rank + 1 and all of the backward
+        phase to rank - 1, so blocking sends cannot deadlock here.
+
+    """) + "\n```python\n" + GPIPE_SOLUTION + "```\n",
+))

@@ -1,4 +1,4 @@
-"""Chapter 05 questions: the practice set on choosing a mix (notebook 05_choosing).
+"""Questions of the choosing chapter: the practice set on choosing a mix (notebook 08_choosing).
 
 Eight-plus questions across the three outcomes of the course: what each strategy splits
 and communicates; which strategy a memory-bound and a bandwidth-bound run need; what the
@@ -23,7 +23,7 @@ GiB = 2**30
 # --------------------------------------------------------------------------- what splits
 
 register(Choice(
-    "05.what_tp_splits",
+    "08.what_tp_splits",
     "B",
     options={
         "A": "the batch; it sends the gradients once per step",
@@ -55,7 +55,7 @@ _P_DP, _N_DP = 1.3e9, 8
 _DP_BYTES = predicted_sent_bytes("all_reduce", 2 * _P_DP, _N_DP)  # bf16 gradients
 
 register(Numeric(
-    "05.dp_bytes",
+    "08.dp_bytes",
     _DP_BYTES,
     unit="bytes",
     prompt="""
@@ -88,7 +88,7 @@ _LINK_GBITS = 200
 _DP_SECONDS = _DP_BYTES / (_LINK_GBITS * 1e9 / 8)
 
 register(Numeric(
-    "05.dp_seconds",
+    "08.dp_seconds",
     _DP_SECONDS,
     unit="seconds",
     rtol=2e-3,
@@ -117,7 +117,7 @@ register(Numeric(
 # --------------------------------------------------------------------------- memory or bandwidth
 
 register(Choice(
-    "05.memory_bound",
+    "08.memory_bound",
     "B",
     options={
         "A": "more data-parallel copies, so each holds less of the batch",
@@ -146,7 +146,7 @@ register(Choice(
 ))
 
 register(Choice(
-    "05.bandwidth_bound",
+    "08.bandwidth_bound",
     "C",
     options={
         "A": "tensor parallelism across the nodes",
@@ -180,7 +180,7 @@ _P_ZERO, _N_ZERO = 7e9, 8
 _ZERO1_GIB = model_state_bytes(_P_ZERO, _N_ZERO, 1, mixed_precision=True) / GiB
 
 register(Numeric(
-    "05.zero1_mixed",
+    "08.zero1_mixed",
     _ZERO1_GIB,
     unit="GiB",
     prompt="""
@@ -216,7 +216,7 @@ _TP_B, _TP_S, _TP_H, _TP_T = 1, 4096, 8192, 8
 _TP_BYTES = tp_sent_bytes_per_layer(_TP_B, _TP_S, _TP_H, _TP_T, dtype_bytes=2)
 
 register(Numeric(
-    "05.tp_bytes_per_layer",
+    "08.tp_bytes_per_layer",
     _TP_BYTES,
     unit="bytes",
     prompt="""
@@ -248,7 +248,7 @@ register(Numeric(
 # --------------------------------------------------------------------------- the bubble
 
 register(Numeric(
-    "05.seed_bubble",
+    "08.seed_bubble",
     bubble_fraction(4, 8),
     prompt="""
         Four stages in a line, one batch cut into eight microbatches, GPipe or 1F1B. What
@@ -268,7 +268,7 @@ register(Numeric(
 ))
 
 register(Numeric(
-    "05.microbatch_speedup",
+    "08.microbatch_speedup",
     ideal_step_time(4, 1, 1.0) / ideal_step_time(4, 8, 1 / 8),
     prompt="""
         The same four-stage pipeline and the same batch: first run as one batch (m = 1),
@@ -293,7 +293,7 @@ register(Numeric(
 ))
 
 register(Choice(
-    "05.shrink_bubble",
+    "08.shrink_bubble",
     "A",
     options={
         "A": "more (smaller) microbatches per step, or interleaved stages (v model chunks "

@@ -1,0 +1,89 @@
+"""Questions of the combining chapter: each check passes the worked answer and rejects realistic mistakes."""
+
+from __future__ import annotations
+
+import pytest
+
+from parlib.course.check import check, explain
+from parlib.course.questions.ch07 import MESH_SOLUTION, pick_layout_problems
+from parlib.course.registry import questions
+from tests.helpers.learner_code import learner as define_learner
+
+pytestmark = pytest.mark.usefixtures("clean_checks")
+
+
+def mesh(**changes):
+    """The worked answer with one change each (a realistic mistake)."""
+    src = MESH_SOLUTION
+    for old, new in changes.items():
+        old = PLACES[old]
+        assert src.count(old) == 1, f"the worked answer no longer has {old!r}"
+        src = src.replace(old, new)
+    return define_learner(src, "mesh_position")
+
+
+PLACES = {
+    "COORDS": "    tp = rank % t\n    dp = (rank // t) % d\n    pp = rank // (t * d)\n",
+    "AT": "return (pp_ * d + dp_) * t + tp_",
+    "PREV": "at(pp - 1, dp, tp) if pp > 0",
+    "NEXT": "at(pp + 1, dp, tp) if pp < p - 1",
+}
+
+
+def test_ch04_questions_registered():
+    assert {"07.mesh_position", "07.seed_chips", "07.seed_copies", "07.seed_memory",
+            "07.crosses_nodes", "07.pick_layout"} <= set(questions("07"))
+
+
+def test_mesh_position_accepts_the_worked_answer(capsys):
+    assert check("07.mesh_position", mesh()).passed
+    explain("07.mesh_position")
+    assert "rank = (pp x d + dp) x t + tp" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,changes,hint", [
+    ("axes swapped", {"COORDS": "    dp = rank % d\n    tp = (rank // d) % t\n"
+                                "    pp = rank // (t * d)\n",
+                      "AT": "return (pp_ * t + tp_) * d + dp_"}, "swapped"),
+    ("column-major", {"COORDS": "    pp = rank % p\n    dp = (rank // p) % d\n"
+                                "    tp = rank // (p * d)\n",
+                      "AT": "return (tp_ * d + dp_) * p + pp_"}, "column-major"),
+    ("peers off by one", {"PREV": "rank - 1 if pp > 0", "NEXT": "rank + 1 if pp < p - 1"},
+     "rank - 1 / rank + 1"),
+    ("peers off the end", {"NEXT": "at(pp + 1, dp, tp) if pp < p"}, "pp_next"),
+])
+def test_mesh_position_rejects_mutants(name, changes, hint):
+    result = check("07.mesh_position", mesh(**changes))
+    assert not result.passed, name
+    assert hint in result.message, result.message
+
+
+def test_seed_numbers_and_their_hints():
+    assert check("07.seed_chips", 1024).passed
+    bad = check("07.seed_chips", 256)
+    assert not bad.passed and "claims" in bad.message
+    assert check("07.seed_copies", 16).passed
+    assert not check("07.seed_copies", 64).passed
+    gib = 16 * 48e9 / 16 / 2**30
+    assert check("07.seed_memory", gib).passed
+    for wrong, hint in [(gib * 4, "both t and p"), (gib / 16, "copies"), (48.0, "GB")]:
+        result = check("07.seed_memory", wrong)
+        assert not result.passed and hint in result.message, result.message
+
+
+def test_crosses_nodes():
+    assert check("07.crosses_nodes", "B").passed
+    for wrong in "ACD":
+        assert not check("07.crosses_nodes", wrong).passed
+
+
+def test_pick_layout_rules():
+    for good in [(2, 8, 4), (4, 8, 2), (4, 4, 4)]:
+        assert check("07.pick_layout", good).passed, pick_layout_problems(*good)
+    for bad, rule in [((1, 8, 8), "does not divide the 60 layers"),
+                      ((4, 16, 1), "more than the 8 GPUs of a node"),
+                      ((8, 8, 1), "does not fit"),
+                      ((2, 8, 2), "there are 64 GPUs")]:
+        result = check("07.pick_layout", bad)
+        assert not result.passed and rule in result.message, result.message
+    assert not check("07.pick_layout", "2, 8, 4 please").passed

@@ -1,0 +1,70 @@
+"""The choosing chapter's practice set: every question passes its worked answer and rejects the slips
+learners make, naming each."""
+
+from __future__ import annotations
+
+import pytest
+
+from parlib.course.check import check
+from parlib.course.registry import questions
+
+GiB = 2**30
+RIGHT = {
+    "08.what_tp_splits": "B",
+    "08.dp_bytes": 2 * 7 / 8 * 2 * 1.3e9,
+    "08.dp_seconds": 2 * 7 / 8 * 2 * 1.3e9 / 25e9,
+    "08.memory_bound": "b",
+    "08.bandwidth_bound": "(C)",
+    "08.zero1_mixed": (4 * 7e9 + 12 * 7e9 / 8) / GiB,
+    "08.tp_bytes_per_layer": 469_762_048,
+    "08.seed_bubble": 3 / 11,
+    "08.microbatch_speedup": 32 / 11,
+    "08.shrink_bubble": "A",
+}
+
+# (question, wrong answer, words the hint must contain)
+WRONG = [
+    ("08.what_tp_splits", "A", "data parallelism"),
+    ("08.what_tp_splits", "C", "pipeline"),
+    ("08.dp_bytes", 7 / 8 * 2 * 1.3e9, "reduce-scatter AND an all-gather"),
+    ("08.dp_bytes", 2 * 7 / 8 * 4 * 1.3e9, "bf16"),
+    ("08.dp_bytes", 4.55, "in GB"),
+    ("08.dp_seconds", 2 * 7 / 8 * 2 * 1.3e9 / 200e9, "gigaBITS"),
+    ("08.dp_seconds", 7 / 8 * 2 * 1.3e9 / 25e9, "2(N-1)/N"),
+    ("08.memory_bound", "A", "whole model"),
+    ("08.memory_bound", "D", "activation"),
+    ("08.bandwidth_bound", "A", "every layer"),
+    ("08.bandwidth_bound", "D", "1.5x"),
+    ("08.zero1_mixed", 38.5, "GB (10^9 bytes)"),
+    ("08.zero1_mixed", 16 * 7e9 / 8 / GiB, "ZeRO-3"),
+    ("08.zero1_mixed", (8 * 7e9 + 8 * 7e9 / 8) / GiB, "fp32"),
+    ("08.tp_bytes_per_layer", 469_762_048 / 2, "backward 2 more"),
+    ("08.tp_bytes_per_layer", 469_762_048 * 2, "bf16"),
+    ("08.seed_bubble", 3 / 8, "(p-1)/(m+p-1)"),
+    ("08.seed_bubble", 3 / 12, "m + p - 1"),
+    ("08.microbatch_speedup", 8, "fill and drain"),
+    ("08.microbatch_speedup", 4, "limit"),
+    ("08.shrink_bubble", "B", "adds a slot"),
+    ("08.shrink_bubble", "D", "idle compute"),
+]
+
+
+def test_every_question_has_a_right_answer_here():
+    assert set(RIGHT) == set(questions("08"))
+
+
+@pytest.mark.parametrize("qid", sorted(RIGHT))
+def test_worked_answer_passes(qid, clean_checks):
+    assert check(qid, RIGHT[qid]).passed
+
+
+@pytest.mark.parametrize("qid,answer,words", WRONG)
+def test_common_slips_are_named(qid, answer, words, clean_checks):
+    result = check(qid, answer)
+    assert result.status == "failed", result
+    assert words in result.message, result.message
+
+
+def test_each_question_rejects_at_least_two_slips():
+    counts = {qid: sum(1 for q, _a, _w in WRONG if q == qid) for qid in RIGHT}
+    assert min(counts.values()) >= 2, counts
