@@ -12,7 +12,8 @@ Options (environment variables):
     PARLIB_TORCH=spec       the torch requirement to install first (default: torch==2.13.0)
     PARLIB_CHROMIUM=path    the Chromium the browser test drives (default: /usr/bin/chromium)
     CI=true                 a missing Chromium fails the browser test instead of skipping it
-    PARLIB_CACHE_DIR=path   where a test run keeps the launching chapter's link fit (default: out/cache,
+    PARLIB_CACHE_DIR=path   where a test run keeps the launching chapter's link fit (default:
+    out/cache,
                             so the tests never replace the fit saved in ~/.cache/parlib)
 Only the standard library is used here, so this runs before anything is installed.
 """
@@ -83,9 +84,10 @@ def test_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("MPLBACKEND", "Agg")
     env.setdefault("TQDM_DISABLE", "1")  # progress bars would make nbval outputs noisy
-    env.pop("PARLIB_CHECK_MODE", None)
-    # The notebooks save the launching chapter's link fit; a test run keeps its own (out/cache, wiped
-    # with out/ at the start) instead of replacing the one a learner measured.
+    env.pop("PARLIB_CHECK_MODE",
+    None)
+    # The notebooks save the launching chapter's link fit; a test run keeps its own (out/cache,
+    # wiped with out/ at the start) instead of replacing the one a learner measured.
     env.setdefault("PARLIB_CACHE_DIR", str(ROOT / "out" / "cache"))
     env.update(extra)
     return env

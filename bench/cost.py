@@ -11,7 +11,8 @@ Sections, each a function printing one table:
 - ``published``: predicted (at peak compute) against reported utilisation of the published
   runs in ``parlib.cost.published``.
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
-  measured here (the launching chapter's fit) and emulated devices, then run with the combining chapter's code:
+  measured here (the launching chapter's fit) and emulated devices, then run with the combining
+  chapter's code:
   measured / predicted per layout, with the measured link and with an emulated slow one
   (``SlowLink``, +200 ns per byte). About a minute; the only section that launches ranks.
 """

@@ -7,7 +7,8 @@ Prints steps/s of the no-sync floor, naive, bucketed, bucketed+overlapped and DD
 steps (same model, same data, interleaved in rounds in a rotating order so that a noisy
 neighbour hits every strategy alike), the median and interquartile range (IQR) of each, their
 ratios to DDP, and instrumented vs plain all-reduce of 16 MiB. Each strategy's parameters
-are first checked against the single-device run. ``--model small-tensors`` races the data-parallel chapter's
+are first checked against the single-device run. ``--model small-tensors`` races the data-parallel
+chapter's
 ``cfg_race`` (8 thin blocks, about 100 gradient tensors), where per-message latency shows.
 """
 

@@ -36,7 +36,8 @@ def run_label(world_size: int, device: str, backend: str, emulated: bool = False
     return label
 
 
-# The collectives the course uses and the strategy that pays for each (the launching chapter's table).
+# The collectives the course uses and the strategy that pays for each (the launching chapter's
+# table).
 WHO_PAYS = [
     ("broadcast", "every strategy, once: the same initial weights on every rank"),
     ("all-reduce", "data parallelism: gradients after every step; tensor parallelism: "

@@ -1,6 +1,7 @@
 """parlib stays in layers: each layer imports only the layers beneath it.
 
-The layers, bottom up: cost (pure Python), chapters (data), comm, runtime, measure, model, strategies,
+The layers, bottom up: cost (pure Python), chapters (data), comm, runtime, measure, model,
+strategies,
 verify, plots, course. Every ``import`` statement in a module counts, including those
 inside functions: a lazy import is still a dependency.
 """

@@ -54,7 +54,8 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_a_test_run_keeps_its_own_link_fit(monkeypatch):
-    """The notebooks save the launching chapter's fit; under `tasks.py test` it goes to out/cache, so a
+    """The notebooks save the launching chapter's fit; under `tasks.py test` it goes to out/cache,
+    so a
     learner's own saved fit (~/.cache/parlib) is never replaced by one taken under test load."""
     import importlib.util
 

@@ -1,6 +1,7 @@
 """The course's measured link: alpha and beta fitted to all-reduce times, saved for later chapters.
 
-The launching chapter times ``dist.all_reduce`` over a range of sizes (:func:`time_all_reduce`, run on
+The launching chapter times ``dist.all_reduce`` over a range of sizes (:func:`time_all_reduce`, run
+on
 every rank), fits the ring model with :func:`fit_link` and saves the result with
 :func:`save_links`. Later chapters read it back with :func:`load_link` and, where no fit is
 saved (the launching chapter has not run on this machine), measure a quick one themselves.
@@ -138,9 +139,10 @@ def load_link(n: int = 2, path: str | Path | None = None, *, backend: str | None
 
 
 def load_or_measure(n: int, *, launch: Callable[..., list[Any]], backend: str | None = None,
-                    **launch_kwargs: Any) -> tuple[LinkFit, str]:
-    """The launching chapter's saved fit for ``n`` ranks (and ``backend``), or, when there is none, a
-    quick one measured now: ``launch`` (``parlib.launch``, passed in because launching
+                    **launch_kwargs: Any) -> tuple[LinkFit,
+                    str]:
+    """The launching chapter's saved fit for ``n`` ranks (and ``backend``), or, when there is
+    none, a quick one measured now: ``launch`` (``parlib.launch``, passed in because launching
     ranks is the runtime's job) runs :func:`time_all_reduce` on ``n`` ranks, 1 KiB to
     4 MiB. Returns the fit and which of the two it is."""
     fit = load_link(n, backend=backend)

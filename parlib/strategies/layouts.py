@@ -1,4 +1,5 @@
-"""The choosing chapter's experiment: layouts of the tiny model predicted by the cost model, then run
+"""The choosing chapter's experiment: layouts of the tiny model predicted by the cost model, then
+run
 with the combining chapter's code on the ranks here, side by side.
 
 Two cores cannot run four devices at once, so each rank plays an **emulated device** of

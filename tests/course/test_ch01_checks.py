@@ -1,4 +1,5 @@
-"""Questions of the data-parallel chapter: each grader accepts the reference answer and rejects each mutant
+"""Questions of the data-parallel chapter: each grader accepts the reference answer and rejects
+each mutant
 with a hint that names the mistake."""
 
 from __future__ import annotations

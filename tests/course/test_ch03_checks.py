@@ -1,4 +1,5 @@
-"""Questions of the tensor-parallel chapter: each grader accepts the reference and rejects each mutant with a
+"""Questions of the tensor-parallel chapter: each grader accepts the reference and rejects each
+mutant with a
 hint that names the mistake."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Questions of the pipeline chapter: the GPipe grader accepts the reference and rejects each mutant."""
+"""Questions of the pipeline chapter: the GPipe grader accepts the reference and rejects each
+mutant."""
 
 from __future__ import annotations
 

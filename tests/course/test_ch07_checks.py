@@ -1,4 +1,5 @@
-"""Questions of the combining chapter: each check passes the worked answer and rejects realistic mistakes."""
+"""Questions of the combining chapter: each check passes the worked answer and rejects realistic
+mistakes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The choosing chapter's practice set: every question passes its worked answer and rejects the slips
+"""The choosing chapter's practice set: every question passes its worked answer and rejects the
+slips
 learners make, naming each."""
 
 from __future__ import annotations

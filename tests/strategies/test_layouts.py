@@ -1,4 +1,5 @@
-"""The choosing chapter's experiment: layouts predicted, then run on emulated devices and checked."""
+"""The choosing chapter's experiment: layouts predicted, then run on emulated devices and
+checked."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The learner's view, in a real JupyterLab in a real browser (issue 15).
 
-nbval executes cells but never sees the page. This opens the launching and pipeline chapters and the launching exercises
+nbval executes cells but never sees the page. This opens the launching and pipeline chapters and
+the launching exercises
 in JupyterLab (headless Chromium), runs every cell, and checks what a learner sees: no error
 output, `[rank k]` lines streaming while a cell runs, the pipeline chapter's explorer drawn once and
 redrawn when a slider moves, notebooks that open unmodified, and, in a scratch notebook, how
@@ -187,7 +188,7 @@ def test_notebook_opens_unmodified(page, path):
         "untouched would ask to save")
 
 
-# ---- the pipeline chapter's explorer ----------------------------------------------------------------
+# ---- the pipeline chapter's explorer ------------------------------------------------------------
 
 def _explorer(page):
     nb = run_all(page, CH03)

@@ -1,4 +1,5 @@
-"""Questions of the launching chapter: launching ranks and collectives (notebook 00_launching_ranks)."""
+"""Questions of the launching chapter: launching ranks and collectives (notebook
+00_launching_ranks)."""
 
 from __future__ import annotations
 

@@ -196,7 +196,8 @@ register(Numeric(
     unit="GiB",
     prompt="""
         The model has P = 48 billion parameters and trains with Adam in mixed precision
-        (16 bytes per parameter of weights, gradients and optimizer state, the data-parallel chapter).
+        (16 bytes per parameter of weights, gradients and optimizer state, the data-parallel
+        chapter).
         On the 16 x 4 x 4 layout, how many GiB of these model states does one chip hold?
         Ignore activations; 1 GiB = 2^30 bytes.
     """,
