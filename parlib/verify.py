@@ -1,8 +1,8 @@
 """Checking a parallel run against the single-device computation: one reference, one rule.
 
 Every chapter proves its strategy computes what one device computes before timing it.
-The ground truth is :func:`reference_step` (loss, logits and gradients of one step on the
-full batch) or :func:`reference_params` (weights after k optimizer steps); the comparison
+The ground truth is :func:`reference_run` (losses, gradients and weights of k steps on the
+full batch; :func:`reference_step` and :func:`reference_params` are its two common views); the comparison
 is :func:`compare` / :func:`close`, with one tolerance for the whole course:
 
     |got - want| <= ATOL + RTOL x |want|, elementwise, RTOL = 1e-4, ATOL = 1e-6 (fp32)
@@ -15,13 +15,13 @@ fp32 addition is not associative. Those differences are around 1e-7 relative; a 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from parlib.model import ModelConfig, build_model, loss_fn, make_batch, make_optimizer, train_step
+from parlib.model import ModelConfig, build_model, loss_fn, make_batch, make_optimizer
 
 RTOL = 1e-4
 ATOL = 1e-6
@@ -93,33 +93,106 @@ def max_abs_diff(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> float:
     return compare(list(a), list(b)).worst
 
 
-def reference_step(cfg: ModelConfig | None = None, *, seed: int = 0, batch_size: int = 8,
-                   step: int = 0, device: Any = "cpu") -> dict[str, Any]:
-    """The single-device step on the full batch: ``loss`` (float), ``logits`` and
-    ``grads`` by parameter name (fp32, returned on the CPU). ``device``: where to compute
-    it (the ranks' device type, so that both sides run the same kernels)."""
+@dataclass
+class History:
+    """What one single-device training run did, step by step (tensors on the CPU, fp32).
+
+    ``losses[k]`` and ``grads[k]`` (by parameter name) are step k's loss and the gradient it
+    applied; ``params`` are the weights after the last step. Recorded only when asked for:
+    ``logits[k]``, ``params_per_step[k]`` (weights after step k) and
+    ``microbatch_grads[k][i]`` (the gradient of microbatch i's share, loss / m)."""
+
+    losses: list[float]
+    grads: list[dict[str, torch.Tensor]]
+    params: dict[str, torch.Tensor]
+    logits: list[torch.Tensor] = field(default_factory=list)
+    params_per_step: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    microbatch_grads: list[list[dict[str, torch.Tensor]]] = field(default_factory=list)
+
+
+RECORDABLE = ("logits", "params_per_step", "microbatch_grads")
+
+
+def _cpu(named: Iterable[tuple[str, torch.Tensor]], grad: bool = False) -> dict[str, Any]:
+    out = {}
+    for n, p in named:
+        t = p.grad if grad else p
+        out[n] = None if t is None else t.detach().cpu().clone()
+    return out
+
+
+def reference_run(cfg: ModelConfig | None = None, *, steps: int = 1, batch: int = 8,
+                  optimizer: str | Callable[[Iterable[torch.Tensor]], Any] = "sgd",
+                  lr: float = 0.1, seed: int = 0, microbatches: int = 1,
+                  model: torch.nn.Module | None = None, device: Any = "cpu",
+                  record: Iterable[str] = ()) -> History:
+    """The course's one single-device run: ``build_model(cfg, seed)`` (or ``model``) trained
+    ``steps`` steps on the full batches 0..steps-1 of ``make_batch(batch, cfg, step, seed)``.
+
+    ``optimizer``: "sgd" or "adam" (:func:`parlib.model.make_optimizer` with ``lr``), or a
+    function of the parameters that builds one (``lambda ps: torch.optim.SGD(ps, lr=0.1,
+    momentum=0.9)``). ``microbatches=m`` accumulates m equal slices of each batch, each
+    loss / m (the same gradient as the whole batch, summed in another order).
+    ``device``: where to compute (the ranks' device type, so both sides run the same
+    kernels). ``record``: any of ``"logits"``, ``"params_per_step"``, ``"microbatch_grads"``."""
+    extra = set(record)
+    unknown = extra - set(RECORDABLE)
+    if unknown:
+        raise ValueError(f"cannot record {sorted(unknown)}; choose from {', '.join(RECORDABLE)}")
+    if microbatches < 1 or batch % microbatches:
+        raise ValueError(f"microbatches={microbatches} must divide the batch of {batch}")
     cfg = cfg or ModelConfig()
-    model = build_model(cfg, seed).to(device)
-    tokens, targets = make_batch(batch_size, cfg, step, seed)
-    logits = model(tokens.to(device))
-    loss = loss_fn(logits, targets.to(device))
-    loss.backward()
-    return {"loss": loss.item(), "logits": logits.detach().cpu(),
-            "grads": {n: prm.grad.detach().cpu().clone() for n, prm in model.named_parameters()}}
+    net = (model if model is not None else build_model(cfg, seed)).to(device)
+    opt = (make_optimizer(net.parameters(), optimizer, lr) if isinstance(optimizer, str)
+           else optimizer(net.parameters()))
+    hist = History([], [], {})
+    for step in range(steps):
+        tokens, targets = make_batch(batch, cfg, step, seed)
+        tokens, targets = tokens.to(device), targets.to(device)
+        opt.zero_grad(set_to_none=True)
+        logits, loss, pieces = [], 0.0, []
+        for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches)):
+            before = _cpu(net.named_parameters(), grad=True) if microbatches > 1 else {}
+            out = net(x)
+            part = loss_fn(out, y) / microbatches
+            part.backward()
+            logits.append(out.detach())
+            loss += part.item()
+            if "microbatch_grads" in extra:
+                now = _cpu(net.named_parameters(), grad=True)
+                pieces.append({n: g if before.get(n) is None else g - before[n]
+                               for n, g in now.items()})
+        hist.losses.append(loss if microbatches > 1 else part.item())
+        hist.grads.append(_cpu(net.named_parameters(), grad=True))
+        if "logits" in extra:
+            hist.logits.append(torch.cat(logits).cpu())
+        if "microbatch_grads" in extra:
+            hist.microbatch_grads.append(pieces)
+        opt.step()
+        if "params_per_step" in extra:
+            hist.params_per_step.append(_cpu(net.named_parameters()))
+    hist.params = _cpu(net.named_parameters())
+    return hist
+
+
+def reference_step(cfg: ModelConfig | None = None, *, seed: int = 0, batch_size: int = 8,
+                   device: Any = "cpu") -> dict[str, Any]:
+    """The first step of :func:`reference_run`: ``loss`` (float), ``logits`` and ``grads``
+    by parameter name (fp32, on the CPU)."""
+    h = reference_run(cfg, steps=1, batch=batch_size, seed=seed, device=device,
+                      record=("logits",))
+    return {"loss": h.losses[0], "logits": h.logits[0], "grads": h.grads[0]}
 
 
 def reference_params(cfg: ModelConfig | None = None, *, steps: int = 3, global_batch: int = 8,
                      seed: int = 0, lr: float = 0.1, optimizer: str = "sgd",
                      device: Any = "cpu") -> list[torch.Tensor]:
-    """Parameters after ``steps`` single-device steps on the full batches 0..steps-1 (the
-    ground truth for a training run). Returned on the CPU, in ``model.parameters()`` order."""
-    model = build_model(cfg, seed).to(device)
-    opt = make_optimizer(model.parameters(), optimizer, lr)
-    for step in range(steps):
-        x, y = make_batch(global_batch, cfg, step, seed)
-        train_step(model, opt, x.to(device), y.to(device))
-    return [p.detach().cpu().clone() for p in model.parameters()]
+    """Parameters after ``steps`` steps of :func:`reference_run`, in ``model.parameters()``
+    order (the ground truth for a training run)."""
+    h = reference_run(cfg, steps=steps, batch=global_batch, seed=seed, lr=lr,
+                      optimizer=optimizer, device=device)
+    return list(h.params.values())
 
 
-__all__ = ["ATOL", "RTOL", "Comparison", "close", "compare", "max_abs_diff", "reference_params",
-           "reference_step"]
+__all__ = ["ATOL", "RTOL", "Comparison", "History", "close", "compare", "max_abs_diff",
+           "reference_params", "reference_run", "reference_step"]
