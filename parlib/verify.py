@@ -2,7 +2,8 @@
 
 Every chapter proves its strategy computes what one device computes before timing it.
 The ground truth is :func:`reference_run` (losses, gradients and weights of k steps on the
-full batch; :func:`reference_step` and :func:`reference_params` are its two common views); the comparison
+full batch; :func:`reference_step` and :func:`reference_params` are its two common
+views); the comparison
 is :func:`compare` / :func:`close`, with one tolerance for the whole course:
 
     |got - want| <= ATOL + RTOL x |want|, elementwise, RTOL = 1e-4, ATOL = 1e-6 (fp32)
