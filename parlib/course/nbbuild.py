@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import copy
 import json
 import re
 import sys
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 # The metadata JupyterLab writes, so that an opened notebook is not marked modified.
-from parlib.course.nbform import KERNELSPEC, LANGUAGE_INFO
+from parlib.course.nbform import KERNELSPEC, LANGUAGE_INFO, dumps
 
 SOURCE_DIR = "authoring"
 TARGETS = ("solutions", "exercises")
@@ -197,17 +196,6 @@ def transform(nb: dict, solution: bool, name: str = "notebook") -> dict:
         "nbformat": 4,
         "nbformat_minor": 5,
     }
-
-
-def dumps(nb: dict) -> str:
-    """Canonical text of a notebook: what ``nbformat.write`` would produce, without
-    depending on nbformat's version."""
-    out = copy.deepcopy(nb)
-    for cell in out["cells"]:
-        src = cell.get("source", "")
-        if isinstance(src, str):
-            cell["source"] = src.splitlines(keepends=True)
-    return json.dumps(out, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def build_one(src: Path) -> dict[str, str]:

@@ -90,8 +90,14 @@ def normal_form(nb: dict[str, Any], path_hint: str = "") -> dict[str, Any]:
 
 
 def dumps(nb: dict[str, Any]) -> str:
-    """The bytes Jupyter writes (nbformat.writes + a final newline)."""
-    return json.dumps(nb, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    """The bytes Jupyter writes (nbformat.writes + a final newline); a cell's source given
+    as one string is written as its list of lines, as Jupyter does. The course's one
+    notebook writer (``nbbuild`` writes exercises and solutions with it too)."""
+    out = copy.deepcopy(nb)
+    for cell in out.get("cells", []):
+        if isinstance(cell.get("source"), str):
+            cell["source"] = _lines(cell["source"])
+    return json.dumps(out, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def problems(path: Path) -> list[str]:
