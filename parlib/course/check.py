@@ -77,7 +77,8 @@ def _evaluate(question: Question, answer: Any, timeout: float | None) -> CheckRe
         }.get(question.kind, "replace the ... with your answer")
         return CheckResult(qid, NOT_ATTEMPTED, 0, pts, f"{hint}, then run this cell again")
     except CheckFailed as exc:
-        return CheckResult(qid, FAILED, 0, pts, str(exc))
+        return CheckResult(qid, FAILED, 0, pts, str(exc),
+                           diagnosis=getattr(exc, "diagnosis", ""))
     except LearnerError as exc:
         return CheckResult(qid, ERROR, 0, pts, str(exc), exc.tb)
     except NotImplementedError:

@@ -6,13 +6,24 @@ question's timeout. When a rank fails, :func:`verdict_from_rank_error` reads the
 (``NotImplementedError``) is "not attempted", a hang is a failure with a hint, a
 :class:`CheckFailed` raised on a rank is that failure, anything else is the learner's
 error with their own frames.
+
+:class:`RankExercise` is the question type "implement this on ranks": the probe that runs
+the learner's function on each rank, the worlds it runs on, the single-device reference,
+named diagnoses (first match wins) and the worked solution, with the launch -> diagnose ->
+raise loop written once here.
 """
 
 from __future__ import annotations
 
-from parlib.course.question_types import DEFAULT_TIMEOUT_HINT
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from parlib.course.question_types import DEFAULT_TIMEOUT_HINT, Implementation, current_timeout
 from parlib.course.results import CheckFailed, LearnerError, NotAttempted
 from parlib.runtime.errors import RankError, trim_traceback
+from parlib.verify import close
 
 
 def verdict_from_rank_error(err: RankError, timeout: float | None,
@@ -47,4 +58,173 @@ def verdict_from_rank_error(err: RankError, timeout: float | None,
     return LearnerError(f"your function raised on {where}: {last}", tb)
 
 
-__all__ = ["verdict_from_rank_error"]
+
+# --------------------------------------------------------------------------- rank exercises
+
+
+@dataclass(frozen=True)
+class World:
+    """One launch of a rank exercise: ``size`` ranks, the probe's extra ``args`` (after the
+    learner's function), and ``where`` (how a hint names the launch, formatted with
+    ``world``; empty: the exercise's)."""
+
+    size: int
+    args: tuple = ()
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class Case:
+    """What a diagnosis looks at: one launch on ``world`` ranks (``results``, one report per
+    rank), the single-device ``reference`` for that world, and where the first wrong number
+    is (``rank``, ``step``; both None when every number is right). ``facts`` holds values a
+    hint quotes."""
+
+    world: int
+    results: list[Any]
+    reference: Any
+    rank: int | None = None
+    step: int | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+    setting: World | None = None
+
+    @property
+    def report(self) -> Any:
+        """The report of the first wrong rank (rank 0 when every number is right)."""
+        return self.results[self.rank or 0]
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """A named mistake: ``when(case)`` says whether the launch shows it, ``hint`` (a string,
+    formatted with ``world``, ``rank``, ``step`` (counted from 1) and the case's ``facts``, or
+    a function of the case) says what to change. ``right`` diagnoses are looked at only
+    when every number is right (a correct result reached the wrong way: too many bytes, the
+    wrong collective); the others only when a number is wrong."""
+
+    name: str
+    when: Callable[[Case], bool]
+    hint: str | Callable[[Case], str]
+    right: bool = False
+
+    def message(self, case: Case) -> str:
+        if callable(self.hint):
+            return self.hint(case)
+        step = None if case.step is None else case.step + 1
+        return self.hint.format(world=case.world, rank=case.rank, step=step, **case.facts)
+
+
+def always(case: Case) -> bool:
+    """The predicate of a last, catch-all diagnosis."""
+    return True
+
+
+def off_by(got: Any, want: Any, factor: float, origin: Any = None) -> bool:
+    """Is ``got`` the answer ``want`` scaled by ``factor`` (about ``origin``: ``got - origin
+    == factor x (want - origin)``)? Tensors or lists of tensors, compared with
+    :func:`parlib.verify.close`; with ``origin`` a training step that moved ``factor``
+    times as far as it should."""
+    if isinstance(got, (list, tuple)):
+        origins = origin if origin is not None else [None] * len(got)
+        return len(got) == len(want) and all(
+            off_by(g, w, factor, o) for g, w, o in zip(got, want, origins))
+    if origin is None:
+        return close(got, factor * want)
+    return close(got, origin + factor * (want - origin))
+
+
+def factor_mistakes(answer: float, hints: Mapping[float, str]) -> dict[float, str]:
+    """{wrong value: hint} for answers off by a known factor (x N, / N, 8 for bits...): the
+    ``mistakes`` of a :class:`~parlib.course.question_types.Numeric`."""
+    return {answer * factor: hint for factor, hint in hints.items()}
+
+
+def working_text(explanation: str, solution: str, after: str = "") -> str:
+    """A rank exercise's worked answer: the explanation, the solution's code, what follows."""
+    text = textwrap.dedent(explanation).strip() + "\n\n```python\n" + solution + "```"
+    after = textwrap.dedent(after).strip()
+    return text + ("\n\n" + after if after else "")
+
+
+# A rank error that means "the ranks' collectives did not match": a hang, or a peer's
+# collective torn down when another rank left.
+_STUCK_WORDS = ("connection closed", "connection reset", "gloo", "broken pipe", "sigabrt")
+
+
+def _stuck(err: RankError) -> bool:
+    kind = (err.exc_type or "").lower()
+    text = f"{err} {err.remote_traceback or ''}".lower()
+    if kind == "notimplementederror":
+        return False
+    return kind in ("timeout", "timeouterror", "exited") or any(w in text for w in _STUCK_WORDS)
+
+
+class RankExercise(Implementation):
+    """"Implement this on ranks": the learner's function runs on every world in ``worlds``
+    inside ``probe(fn)`` (a rank function returning that rank's report), and is judged
+    against ``reference(world)`` (built from :func:`parlib.verify.reference_run`).
+
+    ``first_wrong(case)`` finds the first wrong number: ``(rank, step)``, or None when all
+    are right. Then the ``diagnoses`` are tried in order and the first that matches is the
+    verdict (those marked ``right`` when nothing is wrong). ``hang_hint`` (formatted with
+    ``t`` and ``where``), when given, is the verdict for ranks whose collectives did not
+    match; without it a rank's failure is read by :func:`verdict_from_rank_error`.
+    ``backend``: the process group's (None: :func:`parlib.launch`'s default for the device).
+    ``solution`` is the worked answer's code; the working is ``explanation``, the code,
+    ``after``."""
+
+    def __init__(self, id: str, *, probe: Callable[..., Any], worlds: Sequence[int | World],
+                 reference: Callable[[World], Any], first_wrong: Callable[[Case], Any],
+                 diagnoses: Sequence[Diagnosis], solution: str, explanation: str,
+                 after: str = "", where: str = "on {world} ranks", prompt: str,
+                 points: float = 1, timeout: float = 120.0, hang_hint: str | None = None,
+                 timeout_hint: str = DEFAULT_TIMEOUT_HINT, backend: str | None = "gloo") -> None:
+        super().__init__(id, self._run, prompt=prompt, points=points, timeout=timeout,
+                         timeout_hint=timeout_hint,
+                         working=working_text(explanation, solution, after))
+        names = [d.name for d in diagnoses]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{id}: two diagnoses share a name: {names}")
+        self.worlds = tuple(w if isinstance(w, World) else World(w) for w in worlds)
+        self.probe, self.reference = probe, reference
+        self.first_wrong, self.diagnoses = first_wrong, tuple(diagnoses)
+        self.solution, self.where, self.hang_hint = solution, where, hang_hint
+        self.backend = backend
+
+    def diagnosis_names(self) -> list[str]:
+        """Every verdict this exercise can give: its diagnoses (and "hang" with a hang hint)."""
+        return [d.name for d in self.diagnoses] + (["hang"] if self.hang_hint else [])
+
+    def _fail(self, name: str, message: str) -> CheckFailed:
+        failure = CheckFailed(message)
+        failure.diagnosis = name  # which verdict: the tests show every one is reachable
+        return failure
+
+    def _launch(self, fn: Callable, world: World) -> list[Any]:
+        from parlib.runtime import launch
+
+        try:
+            return launch(self.probe, fn, *world.args, world_size=world.size,
+                          backend=self.backend, timeout=current_timeout())
+        except RankError as err:
+            if self.hang_hint is None or not _stuck(err):
+                raise
+            kind = (err.exc_type or "").lower()
+            t = f" after {current_timeout():g} s" if kind.startswith("timeout") else ""
+            where = (f"rank {err.rank} stopped first" if err.rank is not None
+                     else f"{world.size} ranks")
+            raise self._fail("hang", self.hang_hint.format(t=t, where=where)) from None
+
+    def _run(self, fn: Callable) -> None:
+        for world in self.worlds:
+            case = Case(world.size, self._launch(fn, world), self.reference(world),
+                        setting=world)
+            found = self.first_wrong(case)
+            if found is not None:
+                case = replace(case, rank=found[0], step=found[1])
+            where = (world.where or self.where).format(world=world.size)
+            for diagnosis in self.diagnoses:
+                if diagnosis.right == (found is None) and diagnosis.when(case):
+                    raise self._fail(diagnosis.name, f"{where}: {diagnosis.message(case)}")
+            if found is not None:
+                raise self._fail("wrong", f"{where}: rank {case.rank}'s numbers are wrong")

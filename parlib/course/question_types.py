@@ -314,6 +314,42 @@ class Expression(Question):
                           f"expected {exp:g}")
 
 
+_COUNT_WORDS = {2: "two", 3: "three", 4: "four", 5: "five"}
+
+
+class WholeNumbers(Question):
+    """A tuple of whole numbers named ``names`` (a layout such as (d, t, p)), judged by
+    ``problems(*values)``: None when the answer follows the rules, else the first rule it
+    breaks. Every number must be at least ``minimum`` (``too_small`` says so)."""
+
+    kind = "numbers"
+
+    def __init__(self, id, problems, *, names: tuple[str, ...], example: tuple[int, ...],
+                 prompt, working, minimum: int = 1,
+                 too_small: str = "every number must be at least 1", points=1) -> None:
+        super().__init__(id, prompt=prompt, working=working, points=points)
+        self.problems, self.names, self.example = problems, tuple(names), tuple(example)
+        self.minimum, self.too_small = minimum, too_small
+
+    def grade(self, answer):
+        if is_stub(answer):
+            raise NotAttempted
+        n = len(self.names)
+        try:
+            values = tuple(int(x) for x in answer)
+        except (TypeError, ValueError):
+            values = ()
+        if len(values) != n:
+            raise CheckFailed(f"give {_COUNT_WORDS.get(n, n)} whole numbers "
+                              f"({', '.join(self.names)}), e.g. {self.example}")
+        if min(values) < self.minimum:
+            raise CheckFailed(self.too_small)
+        problem = self.problems(*values)
+        if problem:
+            raise CheckFailed(f"({', '.join(map(str, values))}): {problem}")
+        return "correct"
+
+
 _current_timeout: contextvars.ContextVar[float] = contextvars.ContextVar(
     "parlib_check_timeout", default=120.0)
 
@@ -358,4 +394,4 @@ class Implementation(Question):
 
 
 __all__ = ["DEFAULT_TIMEOUT_HINT", "Choice", "Expression", "Implementation", "Numeric",
-           "Question", "current_timeout", "is_stub"]
+           "Question", "WholeNumbers", "current_timeout", "is_stub"]

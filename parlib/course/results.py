@@ -43,6 +43,8 @@ class CheckResult:
     max_score: float = 1.0
     message: str = ""
     traceback: str = ""
+    # the name of the diagnosis that gave the verdict, when the question names its mistakes
+    diagnosis: str = ""
 
     @property
     def passed(self) -> bool:

@@ -109,6 +109,16 @@ ACCUM_MUTANTS = {
         ),
         "same collectives",
     ),
+    # no all-reduce at all, but divides by N: neither synced nor the local gradient
+    "no_sync_divides": (
+        _acc_mutant("        dist.all_reduce(p.grad)", "        pass"),
+        "made no all_reduce call",
+    ),
+    # synced once, but halves the gradient: no known mistake, the catch-all hint
+    "half_the_gradient": (
+        _acc_mutant("        p.grad /= N\n", "        p.grad /= 2 * N\n"),
+        "are not those of full-batch SGD",
+    ),
     # right numbers, k syncs: scaled per microstep, each microstep reduced on its own
     "right_numbers_k_syncs": (
         """
@@ -132,6 +142,21 @@ def accumulation_step(model, optimizer, microbatches, loss_fn):
 }
 
 
+# The diagnosis each wrong answer must reach: together they reach every diagnosis.
+ACCUM_DIAGNOSES = {
+    "sync_every_microstep": "sync_inside_loop",
+    "no_divide_by_k": "times_k",
+    "no_divide_by_N": "times_N",
+    "no_divide_at_all": "times_N_k",
+    "no_zero_grad": "kept_last_step_grad",
+    "no_sync": "never_synced",
+    "no_sync_divides": "no_all_reduce",
+    "half_the_gradient": "wrong_update",
+    "rank_skips_sync": "hang",
+    "right_numbers_k_syncs": "right_numbers_k_syncs",
+}
+
+
 def test_accum_accepts_reference():
     r = check("01.grad_accum", learner(ACCUM_SOLUTION, "accumulation_step"))
     assert r.passed, r
@@ -143,6 +168,7 @@ def test_accum_rejects_mutant(mutant):
     r = check("01.grad_accum", learner(src, "accumulation_step"))
     assert r.status == "failed", r
     assert hint in r.message, r.message
+    assert r.diagnosis == ACCUM_DIAGNOSES[mutant], r.diagnosis
 
 
 def test_accum_stub_not_attempted():
@@ -207,6 +233,16 @@ ZERO1_MUTANTS = {
 }
 
 
+ZERO1_DIAGNOSES = {
+    "no_division": "times_N",
+    "no_all_gather": "own_slice_only",
+    "no_copy_back": "no_update",
+    "all_reduce": "all_reduce_used",
+    "fresh_optimizer": "lost_optimizer_state",
+    "wrong_slice": "wrong_elements",
+}
+
+
 def test_zero1_accepts_reference():
     r = check("01.zero1_step", learner(ZERO1_SOLUTION, "zero1_step"))
     assert r.passed, r
@@ -218,6 +254,7 @@ def test_zero1_rejects_mutant(mutant):
     r = check("01.zero1_step", learner(src, "zero1_step"))
     assert r.status == "failed", r
     assert hint in r.message, r.message
+    assert r.diagnosis == ZERO1_DIAGNOSES[mutant], r.diagnosis
 
 
 def test_zero1_working_matches_reference_numbers():
@@ -225,3 +262,15 @@ def test_zero1_working_matches_reference_numbers():
     q = questions("01")["01.zero1_memory"]
     assert math.isclose(q.answer, 9 * 1.5e9 / GiB)
     assert "12.57 GiB" in q.working
+
+
+# --------------------------------------------------------------------------- every hint reachable
+
+@pytest.mark.parametrize("qid", ["01.grad_accum", "01.zero1_step"])
+def test_every_diagnosis_has_a_wrong_answer_that_reaches_it(qid):
+    # the mutant tests above assert each mutant reaches its diagnosis; this one that the
+    # mutants together reach every diagnosis the question declares
+    mutants, diagnoses = {"01.grad_accum": (ACCUM_MUTANTS, ACCUM_DIAGNOSES),
+                          "01.zero1_step": (ZERO1_MUTANTS, ZERO1_DIAGNOSES)}[qid]
+    assert set(diagnoses) == set(mutants)
+    assert sorted(set(diagnoses.values())) == sorted(questions("01")[qid].diagnosis_names())

@@ -187,3 +187,31 @@ def test_chapter_prose_facts_match_the_formulas():
     # no test plumbing or course-symbol aliases in what the learner reads
     assert "NBVAL" not in code and not re.search(r"\bP\.\w", text + code)
     assert "tenths of a millisecond" not in text
+
+
+# --------------------------------------------------------------------------- every hint reachable
+
+# One wrong answer per diagnosis of 04.gpipe, and a part of the hint it must give.
+GPIPE_DIAGNOSES = {
+    "missing_grad": ({"BWD_ORDER": "[]"}, "did its backward run?"),
+    "not_finite": ({"LOSS_DIV": "0"}, "NaN or inf"),
+    "scaled_loss": ({"LOSS_DIV": "tokens.shape[0]"}, "divide each microbatch's loss by m"),
+    "one_microbatch": ({"ZERO": "stage.zero_grad()"}, "only microbatch 0's share"),
+    "wrong_grad": ({"BWD_ORDER": "(reversed(range(m)) if stage.is_last else range(m))"},
+                   "microbatch it belongs to"),
+    "loss_not_a_number": ({"RESULT": "None"}, "returned None"),
+    "wrong_loss": ({"RESULT": "2 * total if stage.is_last else None"}, "2 x the expected"),
+    "loss_on_another_stage": ({"RESULT": "total"}, "only the last stage returns the loss"),
+}
+
+
+def test_every_gpipe_diagnosis_has_a_wrong_answer():
+    assert sorted(GPIPE_DIAGNOSES) == sorted(questions("04")["04.gpipe"].diagnosis_names())
+
+
+@pytest.mark.parametrize("name", sorted(GPIPE_DIAGNOSES))
+def test_gpipe_wrong_answer_reaches_its_diagnosis(name):
+    changes, hint = GPIPE_DIAGNOSES[name]
+    r = check("04.gpipe", gpipe(**changes))
+    assert r.status == "failed", r
+    assert r.diagnosis == name and hint in r.message, (r.diagnosis, r.message)

@@ -1,0 +1,14 @@
+"""Questions of the combining chapter: combining the three strategies (notebook 07_combining).
+
+``mesh`` (where a rank sits in the mesh), ``numbers`` (chips, memory, what crosses nodes),
+``layout`` (pick (d, t, p) by the rules).
+"""
+
+from __future__ import annotations
+
+from parlib.course.questions.ch07 import layout, mesh, numbers
+from parlib.course.questions.ch07.layout import PICK_CLUSTER, PICK_MODEL, pick_layout_problems
+from parlib.course.questions.ch07.mesh import MESH_SOLUTION, expected_position
+
+__all__ = ["MESH_SOLUTION", "PICK_CLUSTER", "PICK_MODEL", "expected_position", "layout", "mesh",
+           "numbers", "pick_layout_problems"]
