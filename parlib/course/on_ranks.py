@@ -66,7 +66,7 @@ def verdict_from_rank_error(err: RankError, timeout: float | None,
 class World:
     """One launch of a rank exercise: ``size`` ranks, the probe's extra ``args`` (after the
     learner's function), and ``where`` (how a hint names the launch, formatted with
-    ``world``; empty: the exercise's)."""
+    ``world`` and the first wrong ``rank``; empty: the exercise's)."""
 
     size: int
     args: tuple = ()
@@ -77,8 +77,8 @@ class World:
 class Case:
     """What a diagnosis looks at: one launch on ``world`` ranks (``results``, one report per
     rank), the single-device ``reference`` for that world, and where the first wrong number
-    is (``rank``, ``step``; both None when every number is right). ``facts`` holds values a
-    hint quotes."""
+    is (``rank`` and ``step``, a step number or the name of a part; both None when every
+    number is right). ``facts`` holds values a hint quotes."""
 
     world: int
     results: list[Any]
@@ -110,7 +110,7 @@ class Diagnosis:
     def message(self, case: Case) -> str:
         if callable(self.hint):
             return self.hint(case)
-        step = None if case.step is None else case.step + 1
+        step = case.step + 1 if isinstance(case.step, int) else case.step
         return self.hint.format(world=case.world, rank=case.rank, step=step, **case.facts)
 
 
@@ -222,7 +222,7 @@ class RankExercise(Implementation):
             found = self.first_wrong(case)
             if found is not None:
                 case = replace(case, rank=found[0], step=found[1])
-            where = (world.where or self.where).format(world=world.size)
+            where = (world.where or self.where).format(world=world.size, rank=case.rank)
             for diagnosis in self.diagnoses:
                 if diagnosis.right == (found is None) and diagnosis.when(case):
                     raise self._fail(diagnosis.name, f"{where}: {diagnosis.message(case)}")

@@ -74,6 +74,32 @@ F_MUTANTS = {
         "divides by t"),
 }
 
+_STATEFUL = (  # right on its first call, wrong from the second: passes the probe alone
+    "    _calls.append(1)\n    if len(_calls) > 1:\n        x = x * 1.5\n")
+
+F_MUTANTS.update({
+    "forward averages": (
+        [("            return x.view_as(x)          # every rank already holds the same x",
+          "            out = x.clone()\n            dist.all_reduce(out, group=group)\n"
+          "            return out / dist.get_world_size(group)")],
+        "f averages in forward"),
+    "no gradient returned": (
+        [("            return grad, None            # no gradient for the group argument",
+          "            return None, None")],
+        "got no gradient for x"),
+    "forward doubles": (
+        [("            return x.view_as(x)          # every rank already holds the same x",
+          "            return x * 2")],
+        "in forward, expected"),
+    "no autograd function": (
+        [(F_SOLUTION, "def copy_to_parallel_region(x, group=None):\n    return x.detach()\n")],
+        "does not require grad"),
+    "state kept between calls": (
+        [("def copy_to_parallel_region(x, group=None):\n",
+          "def copy_to_parallel_region(x, group=None, _calls=[]):\n" + _STATEFUL)],
+        "does it keep state between calls"),
+})
+
 G_MUTANTS = {
     "forgotten all-reduce": (
         [("            dist.all_reduce(out, group=group)\n", "")],
@@ -90,6 +116,54 @@ G_MUTANTS = {
           "            out = out / dist.get_world_size(group)\n")],
         "g averages"),
 }
+
+G_MUTANTS.update({
+    "backward averages": (
+        [("            return grad, None            # the gradient is already whole on every "
+          "rank",
+          "            grad = grad.clone()\n            dist.all_reduce(grad)\n"
+          "            return grad / dist.get_world_size(), None")],
+        "g's backward averages"),
+    "no gradient returned": (
+        [("            return grad, None            # the gradient is already whole on every "
+          "rank", "            return None, None")],
+        "got no gradient for x"),
+    "forward doubles": (
+        [("            return out\n", "            return out * 2\n")],
+        "in forward, expected"),
+    "no autograd function": (
+        [(G_SOLUTION, "def reduce_from_parallel_region(x, group=None):\n"
+                      "    out = x.detach().clone()\n    dist.all_reduce(out)\n"
+                      "    return out\n")],
+        "does not require grad"),
+    "state kept between calls": (
+        [("def reduce_from_parallel_region(x, group=None):\n",
+          "def reduce_from_parallel_region(x, group=None, _calls=[]):\n" + _STATEFUL)],
+        "does it keep state between calls"),
+})
+
+# The diagnosis each wrong answer must reach: together they reach every diagnosis.
+F_DIAGNOSES = {
+    "all-reduce in forward instead of backward (wrong direction)": "forward_all_reduce",
+    "missing gradient all-reduce": "backward_unchanged",
+    "gradient averaged (divided by t)": "backward_average",
+    "forward averages": "forward_average",
+    "no gradient returned": "no_gradient",
+    "forward doubles": "wrong_value",
+    "no autograd function": "not_autograd",
+    "state kept between calls": "breaks_training",
+}
+G_DIAGNOSES = {
+    "forgotten all-reduce": "forward_unchanged",
+    "all-reduce in backward too (duplicated gradient)": "backward_all_reduce",
+    "partial sums averaged": "forward_average",
+    "backward averages": "backward_average",
+    "no gradient returned": "no_gradient",
+    "forward doubles": "wrong_value",
+    "no autograd function": "not_autograd",
+    "state kept between calls": "breaks_training",
+}
+DIAGNOSES = {"03.f": F_DIAGNOSES, "03.g": G_DIAGNOSES}
 
 OPS = {"03.f": (F_SOLUTION, "copy_to_parallel_region", F_MUTANTS),
        "03.g": (G_SOLUTION, "reduce_from_parallel_region", G_MUTANTS)}
@@ -116,6 +190,7 @@ def test_operator_rejects_mutant(qid, mutant):
     r = check(qid, define_learner(mutate(src, changes), name))
     assert r.status == "failed", r
     assert hint in r.message, r.message
+    assert r.diagnosis == DIAGNOSES[qid][mutant], r.diagnosis
 
 
 def test_operator_without_autograd_is_rejected():
@@ -186,6 +261,56 @@ ROW_MUTANTS = {
 }
 
 
+ROW_MUTANTS.update({
+    "the whole weight": (
+        [("    weight = linear.weight[:, rank * cols:(rank + 1) * cols]",
+          "    weight = linear.weight")],
+        "the matching weight slice is the columns"),
+    "a slice of the output": (
+        [("    return total + linear.bias ", "    return (total + linear.bias)[..., :cols] ")],
+        "every rank returns the whole output"),
+    "rows of the weight and the bias on every rank": (
+        [("    weight = linear.weight[:, rank * cols:(rank + 1) * cols]",
+          "    weight = linear.weight[rank * cols:(rank + 1) * cols, :].T"),
+         ("    partial = x @ weight.T", "    partial = x @ weight.T + linear.bias"),
+         ("    return total + linear.bias ", "    return total ")],
+        "and the bias is added on every rank"),
+    "output doubled": (
+        [("    return total + linear.bias ", "    return total * 2 + linear.bias ")],
+        "output differs from the full layer's"),
+    "detached output": (
+        [("    return total + linear.bias ", "    return (total + linear.bias).detach() ")],
+        "does not require grad"),
+    "detached bias": (
+        [("    return total + linear.bias ", "    return total + linear.bias.detach() ")],
+        "got no gradient for the bias"),
+    "gradient tripled": (
+        [("    return total + linear.bias ",
+          "    y = total + linear.bias\n    return y + 2 * y - (2 * y).detach() ")],
+        "gradient of x differs"),
+    "state kept between calls": (
+        [("def row_parallel_linear(x, linear, group=None):\n",
+          "def row_parallel_linear(x, linear, group=None, _calls=[]):\n" + _STATEFUL)],
+        "training a tensor-parallel TinyGPT"),
+})
+ROW_DIAGNOSES = {
+    "bias added on every rank, before the all-reduce": "bias_every_rank",
+    "split along the wrong dimension (rows of torch's weight)": "wrong_dim",
+    "forgotten all-reduce": "no_all_reduce",
+    "all-reduce in the wrong direction (f instead of g)": "no_all_reduce",
+    "partial sums averaged": "average",
+    "autograd all-reduce: the gradient summed again in backward": "gradient_times_t",
+    "the whole weight": "shape_error",
+    "a slice of the output": "wrong_shape",
+    "rows of the weight and the bias on every rank": "wrong_dim_no_bias_fix",
+    "output doubled": "wrong_output",
+    "detached output": "no_autograd",
+    "detached bias": "no_gradient",
+    "gradient tripled": "wrong_gradient",
+    "state kept between calls": "breaks_training",
+}
+
+
 def test_row_parallel_reference_passes():
     r = check("03.row_parallel", row())
     assert r.passed, r
@@ -213,6 +338,7 @@ def test_row_parallel_rejects_mutant(name):
     r = check("03.row_parallel", define_learner(src, "row_parallel_linear", prelude=prelude))
     assert r.status == "failed", r
     assert hint in r.message, r.message
+    assert r.diagnosis == ROW_DIAGNOSES[name], r.diagnosis
 
 
 def test_row_parallel_stub_not_attempted():
@@ -221,3 +347,15 @@ def row_parallel_linear(x, linear, group=None):
     raise NotImplementedError("your code here")
 """
     assert check("03.row_parallel", row(stub)).status == "not attempted"
+
+
+# --------------------------------------------------------------------------- every hint reachable
+
+@pytest.mark.parametrize("qid", ["03.f", "03.g", "03.row_parallel"])
+def test_every_diagnosis_has_a_wrong_answer_that_reaches_it(qid):
+    # the mutant tests above assert each mutant reaches its diagnosis; this one that the
+    # mutants together reach every diagnosis the question declares
+    mutants, diagnoses = {"03.f": (F_MUTANTS, F_DIAGNOSES), "03.g": (G_MUTANTS, G_DIAGNOSES),
+                          "03.row_parallel": (ROW_MUTANTS, ROW_DIAGNOSES)}[qid]
+    assert set(diagnoses) == set(mutants)
+    assert sorted(set(diagnoses.values())) == sorted(questions("03")[qid].diagnosis_names())
