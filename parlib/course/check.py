@@ -1,9 +1,10 @@
 """``parlib.check`` and ``parlib.explain``: the auto-checks the exercise notebooks call.
 
-A chapter declares its questions in ``parlib/course/questions/chNN.py`` with
-:func:`parlib.course.registry.register`. A notebook answers one with
-``parlib.check("00.ring_bytes", my_answer)``, which returns a :class:`CheckResult` that
-renders as one short line (pass) or the first failing case and a hint (fail).
+A chapter declares its questions in ``parlib/course/questions/chNN`` (a module, or a
+package of one module per exercise) with :func:`parlib.course.registry.register`. A
+notebook answers one with ``parlib.check("00.ring_bytes", my_answer)``, which returns a
+:class:`CheckResult` that renders as one short line (pass) or the first failing case and a
+hint (fail).
 ``parlib.explain(id)`` shows the worked answer once the question has been attempted.
 
 ``check`` never raises unless asked to through the environment:

@@ -223,8 +223,9 @@ class RankExercise(Implementation):
             if found is not None:
                 case = replace(case, rank=found[0], step=found[1])
             where = (world.where or self.where).format(world=world.size, rank=case.rank)
+            where = f"{where}: " if where else ""  # "": the hints say where themselves
             for diagnosis in self.diagnoses:
                 if diagnosis.right == (found is None) and diagnosis.when(case):
-                    raise self._fail(diagnosis.name, f"{where}: {diagnosis.message(case)}")
+                    raise self._fail(diagnosis.name, f"{where}{diagnosis.message(case)}")
             if found is not None:
-                raise self._fail("wrong", f"{where}: rank {case.rank}'s numbers are wrong")
+                raise self._fail("wrong", f"{where}rank {case.rank}'s numbers are wrong")

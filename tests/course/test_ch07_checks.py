@@ -3,6 +3,8 @@ mistakes."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from parlib.course.check import check, explain
@@ -88,3 +90,48 @@ def test_pick_layout_rules():
         result = check("07.pick_layout", bad)
         assert not result.passed and rule in result.message, result.message
     assert not check("07.pick_layout", "2, 8, 4 please").passed
+
+
+# --------------------------------------------------------------------------- every hint reachable
+
+# One wrong answer per diagnosis of 07.mesh_position, and a part of the hint it must give.
+MESH_DIAGNOSES = {
+    "not_a_dict": ({"AT": "return (pp_ * d + dp_) * t + tp_\n\n    return [pp, dp, tp]"},
+                   "return a dict with the keys"),
+    "missing_key": ({"AT": "return (pp_ * d + dp_) * t + tp_\n\n"
+                           "    return {\"pp\": pp, \"dp\": dp, \"tp\": tp}"},
+                    "no key 'tp_group'"),
+    "axes_swapped": ({"COORDS": "    dp = rank % d\n    tp = (rank // d) % t\n"
+                                "    pp = rank // (t * d)\n",
+                      "AT": "return (pp_ * t + tp_) * d + dp_"}, "swapped"),
+    "column_major": ({"COORDS": "    pp = rank % p\n    dp = (rank // p) % d\n"
+                                "    tp = rank // (p * d)\n",
+                      "AT": "return (tp_ * d + dp_) * p + pp_"}, "column-major"),
+    "neighbours_off_by_one": ({"PREV": "rank - 1 if pp > 0", "NEXT": "rank + 1 if pp < p - 1"},
+                              "rank - 1 / rank + 1"),
+    "wrong_key": ({"NEXT": "at(pp + 1, dp, tp) if pp < p"}, "pp_next is"),
+}
+
+
+def test_every_mesh_diagnosis_has_a_wrong_answer():
+    assert sorted(MESH_DIAGNOSES) == sorted(questions("07")["07.mesh_position"].diagnosis_names())
+
+
+@pytest.mark.parametrize("name", sorted(MESH_DIAGNOSES))
+def test_mesh_wrong_answer_reaches_its_diagnosis(name):
+    changes, hint = MESH_DIAGNOSES[name]
+    r = check("07.mesh_position", mesh(**changes))
+    assert r.status == "failed", r
+    assert r.diagnosis == name and hint in r.message, (r.diagnosis, r.message)
+
+
+def test_mesh_position_never_runs_in_the_graders_process(tmp_path):
+    # issue #26: a function answer runs in a child process the grader only reads results from
+    seen = tmp_path / "pids"
+    src = MESH_SOLUTION.replace(
+        "    tp = rank % t\n",
+        f"    import os\n    open({str(seen)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        f"    tp = rank % t\n")
+    assert check("07.mesh_position", define_learner(src, "mesh_position")).passed
+    pids = {int(line) for line in seen.read_text().split()}
+    assert pids and os.getpid() not in pids

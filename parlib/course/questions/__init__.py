@@ -1,5 +1,5 @@
-"""The course's auto-graded questions, one module per chapter (``chNN.py``, NN from
-:data:`parlib.chapters.CHAPTERS`).
+"""The course's auto-graded questions, one module or package per chapter (``chNN``, NN from
+:data:`parlib.chapters.CHAPTERS`; a package holds one module per exercise or small group).
 
 Each module registers its questions with :func:`parlib.course.registry.register` when imported.
 Importing this package imports every chapter's module; one that fails to import is reported

@@ -1,13 +1,12 @@
-"""07.mesh_position: where a global rank sits in a d x t x p mesh (pure Python, no ranks)."""
+"""07.mesh_position: where a global rank sits in a d x t x p mesh. Pure Python, but the
+answer runs in a child process (one rank), never in the grader's own."""
 
 from __future__ import annotations
 
-import textwrap
-from typing import Any
+from typing import Any, Callable
 
-from parlib.course.question_types import Implementation
+from parlib.course.on_ranks import Case, Diagnosis, RankExercise, World, always
 from parlib.course.registry import register
-from parlib.course.results import CheckFailed
 from parlib.strategies import mesh as meshlib
 
 MESH_SOLUTION = '''\
@@ -64,50 +63,102 @@ def _position(rank: int, sizes: dict[str, int], order: tuple[str, ...]) -> dict[
 _PLACE_KEYS = ("pp", "dp", "tp", "tp_group", "dp_group", "pp_group")
 
 
-def _diagnose(got: dict, want: dict, rank: int, d: int, t: int, p: int) -> str:
-    sizes = {"dp": d, "tp": t, "pp": p}
-    swapped = _position(rank, sizes, ("pp", "tp", "dp"))
-    column = _position(rank, sizes, ("tp", "dp", "pp"))
-    if all(got[k] == swapped[k] for k in _PLACE_KEYS):
-        return ("your dp and tp axes are swapped: tp varies fastest (adjacent ranks share a "
-                "tensor-parallel group), then dp, then pp")
-    if all(got[k] == column[k] for k in _PLACE_KEYS):
-        return ("you made pp vary fastest (column-major); the mesh is row-major over (pp, dp, "
-                "tp): rank = (pp x d + dp) x t + tp, so tp varies fastest")
-    if all(got[k] == want[k] for k in _PLACE_KEYS):
-        off_by_one = ((got["pp_prev"] is not None and got["pp_prev"] == rank - 1)
-                      or (got["pp_next"] is not None and got["pp_next"] == rank + 1))
-        if off_by_one and d * t > 1:
-            return ("the previous/next pipeline stage is not rank - 1 / rank + 1: it is the "
-                    "rank with the same dp and tp index one stage away, d x t ranks apart")
-    for key in _KEYS:
-        if got.get(key) != want[key]:
-            return f"{key} is {got.get(key)!r}, expected {want[key]!r}"
-    return "wrong"
+def _mesh_rank(fn) -> list[dict[str, Any]]:
+    """In a child process (one rank), never in the grader: the learner's answer for every
+    rank of every layout, as plain data. Stops at the first answer that is not a dict."""
+    from parlib.course.answers import plain_data
 
-
-def _grade_mesh(fn) -> None:
+    out: list[dict[str, Any]] = []
     for d, t, p in _LAYOUTS:
         for rank in range(d * t * p):
-            want = expected_position(rank, d, t, p)
             got = fn(rank, d, t, p)
             if not isinstance(got, dict):
-                raise CheckFailed(f"mesh_position returned a {type(got).__name__}; return a "
-                                  f"dict with the keys {', '.join(_KEYS)}")
-            missing = [k for k in _KEYS if k not in got]
-            if missing:
-                raise CheckFailed(f"the returned dict has no key {missing[0]!r}")
+                return out + [{"layout": (d, t, p), "rank": rank, "type": type(got).__name__}]
             got = {k: (list(v) if isinstance(v, (list, tuple, range)) else v)
                    for k, v in got.items()}
-            if any(got[k] != want[k] for k in _KEYS):
-                hint = _diagnose(got, want, rank, d, t, p)
-                raise CheckFailed(f"rank {rank} of d x t x p = {d} x {t} x {p}: {hint}")
+            out.append({"layout": (d, t, p), "rank": rank, "got": plain_data(got)})
+    return out
 
 
-register(Implementation(
+def _want(c: Case) -> dict[str, Any]:
+    return expected_position(c.report[c.step]["rank"], *c.report[c.step]["layout"])
+
+
+def _got(c: Case) -> dict[str, Any]:
+    return c.report[c.step]["got"]
+
+
+def _first_wrong(case: Case) -> tuple[int, int] | None:
+    for i, answer in enumerate(case.results[0]):
+        got = answer.get("got")
+        if got is None or any(k not in got for k in _KEYS):
+            return 0, i
+        if any(got[k] != v for k, v in expected_position(answer["rank"],
+                                                         *answer["layout"]).items()):
+            return 0, i
+    return None
+
+
+def _as_if(order: tuple[str, ...]) -> Callable[[Case], bool]:
+    """Is every coordinate and group that of a mesh whose axes run ``order``?"""
+    def when(c: Case) -> bool:
+        d, t, p = c.report[c.step]["layout"]
+        other = _position(c.report[c.step]["rank"], {"dp": d, "tp": t, "pp": p}, order)
+        return all(_got(c)[k] == other[k] for k in _PLACE_KEYS)
+    return when
+
+
+def _neighbours_off_by_one(c: Case) -> bool:
+    (d, t, _), rank, got = c.report[c.step]["layout"], c.report[c.step]["rank"], _got(c)
+    if any(got[k] != _want(c)[k] for k in _PLACE_KEYS) or d * t == 1:
+        return False
+    return ((got["pp_prev"] is not None and got["pp_prev"] == rank - 1)
+            or (got["pp_next"] is not None and got["pp_next"] == rank + 1))
+
+
+def _where(c: Case) -> str:
+    d, t, p = c.report[c.step]["layout"]
+    return f"rank {c.report[c.step]['rank']} of d x t x p = {d} x {t} x {p}"
+
+
+def _wrong_key(c: Case) -> str:
+    got, want = _got(c), _want(c)
+    key = next(k for k in _KEYS if got.get(k) != want[k])
+    return f"{_where(c)}: {key} is {got.get(key)!r}, expected {want[key]!r}"
+
+
+DIAGNOSES = (
+    Diagnosis("not_a_dict", lambda c: "type" in c.report[c.step],
+              lambda c: f"mesh_position returned a {c.report[c.step]['type']}; return a dict "
+              f"with the keys {', '.join(_KEYS)}"),
+    Diagnosis("missing_key", lambda c: any(k not in _got(c) for k in _KEYS),
+              lambda c: f"the returned dict has no key "
+              f"{next(k for k in _KEYS if k not in _got(c))!r}"),
+    Diagnosis("axes_swapped", _as_if(("pp", "tp", "dp")),
+              lambda c: f"{_where(c)}: your dp and tp axes are swapped: tp varies fastest "
+              f"(adjacent ranks share a tensor-parallel group), then dp, then pp"),
+    Diagnosis("column_major", _as_if(("tp", "dp", "pp")),
+              lambda c: f"{_where(c)}: you made pp vary fastest (column-major); the mesh is "
+              f"row-major over (pp, dp, tp): rank = (pp x d + dp) x t + tp, so tp varies "
+              f"fastest"),
+    Diagnosis("neighbours_off_by_one", _neighbours_off_by_one,
+              lambda c: f"{_where(c)}: the previous/next pipeline stage is not rank - 1 / "
+              f"rank + 1: it is the rank with the same dp and tp index one stage away, "
+              f"d x t ranks apart"),
+    Diagnosis("wrong_key", always, _wrong_key),
+)
+
+
+QUESTION = register(RankExercise(
     "07.mesh_position",
-    _grade_mesh,
-    timeout=None,
+    probe=_mesh_rank,
+    worlds=[World(1)],  # one child process: the answer never runs in the grader's
+    reference=lambda world: None,  # expected_position, computed here from parlib's mesh
+    first_wrong=_first_wrong,
+    diagnoses=DIAGNOSES,
+    solution=MESH_SOLUTION,
+    where="",
+    timeout=60.0,
     prompt="""
         Write mesh_position(rank, d, t, p) -> dict: for global rank `rank` of a d x t x p
         mesh with axes (pp, dp, tp), tp varying fastest, return its coordinates "pp", "dp",
@@ -115,14 +166,14 @@ register(Implementation(
         their index on that axis) and its pipeline neighbours "pp_prev", "pp_next" (global
         ranks, None at the ends). Checked on every rank of seven layouts.
     """,
-    working=textwrap.dedent("""
+    explanation="""
         Row-major over (pp, dp, tp) means rank = (pp x d + dp) x t + tp: peel the fastest
         axis off first, tp = rank mod t, then dp = (rank div t) mod d, then
         pp = rank div (t x d). A group along one axis is every rank whose two other
         coordinates are the same: vary that axis's index and rebuild the rank. The pipeline
         neighbours are the pp group's previous and next members, d x t ranks away, not
         rank - 1 and rank + 1 (those are tensor-parallel partners).
-    """) + "\n```python\n" + MESH_SOLUTION + "```\n",
+    """,
 ))
 
 
