@@ -139,7 +139,7 @@ def draw_timeline(
     t1 = max((x.end for x in flat), default=1.0)
     width_total = (t1 - t0) * scale or 1.0
     h = 0.8
-    comm_h = 0.14
+    comm_h = 0.1  # a strip above and one below fit the gap between two rows (1 - h)
     for rank, spans in enumerate(lists):
         y = p - 1 - rank
         ax.broken_barh([(0.0, width_total)], (y - h / 2, h), facecolors=COLORS["idle"],
