@@ -201,10 +201,11 @@ class SlowLink:
     adds 2(N-1) alpha + 2(N-1)/N B beta, a reduce-scatter or all-gather half that). It is a
     ``time.sleep`` after the real call, so it scales with the bytes and the message count
     the way a real link's time does; the emulated link is the real one plus this much.
-    Point-to-point messages (``send``, ``recv``, their async forms and each message of a
-    ``batch_isend_irecv``) add one message's alpha + B beta, paid by the sender and again
-    by the receiver after the data arrives. Broadcast, all-to-all and barriers, which the
-    cost layer has no ring time for, run unslowed.
+    Point-to-point messages (``send``, ``recv`` and their async forms) add one message's
+    alpha + B beta, paid by the sender and again by the receiver after the data arrives;
+    a ``batch_isend_irecv`` pays the sum of its messages' times once all its handles have
+    been waited for. Broadcast, all-to-all and barriers, which the cost layer has no ring
+    time for, run unslowed.
 
     An asynchronous call's ``wait()`` returns no earlier than the emulated time after the
     call (so compute in between hides it, as on a real link). On a GPU the device is
