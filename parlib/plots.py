@@ -1,9 +1,11 @@
-"""Every figure of the course: one palette, one caption rule, and the drawings.
+"""The course's shared drawings: one palette, one caption rule, and the figures that more
+than one chapter draws (a chapter's one-off figures stay in its notebook).
 
 - :data:`COLORS` and :func:`run_label`: the colour of each kind of work and the
   "what ran it" caption every figure carries.
 - :func:`draw_collective`: who holds what before and after a collective (the launching chapter).
-- :func:`draw_timeline`: a Gantt chart of spans per rank (pipelines, and any step).
+- :func:`draw_timeline`: a Gantt chart of spans per rank (pipelines, and any step), the
+  communication of every parallelism axis included (:data:`AXIS_STYLE`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from parlib.measure.timeline import COMM, COMPUTE, Span
+from parlib.measure.timeline import AXES, COMPUTE, Span
 
 # One colour per kind of work, the same in every chapter. Idle is light grey so that
 # pipeline bubbles read as empty space.
@@ -25,6 +27,14 @@ COLORS: dict[str, str] = {
     "idle": "#E5E5E5",
     "theory": "#333333",  # dashed lines / outlines for predictions
 }
+
+# Where a timeline draws each axis' communication (all in the communication colour): a
+# strip above or below the rank's row, hatched where two axes share a side.
+AXIS_STYLE: dict[str, tuple[str, str | None]] = {
+    "tp": ("above", None), "cp": ("above", "////"), "ep": ("above", "xxxx"),
+    "dp": ("below", None), "pp": ("below", "////"),
+}
+_POINT_TO_POINT = ("send", "recv")
 
 
 def run_label(world_size: int, device: str, backend: str, emulated: bool = False) -> str:
@@ -104,12 +114,16 @@ def draw_timeline(
     show_comm: bool = True,
     legend: bool = True,
     labels: bool = True,
+    row_labels: Sequence[str] | None = None,
 ) -> Any:
     """Gantt chart: one row per stage (stage 0 on top), one box per op coloured by kind
-    with its microbatch number inside, idle time light grey, communication as a thin
-    strip under each row. ``unit``: "ms" (spans in seconds, drawn in ms), "s", or "t"
-    (schedule time units, drawn as they are). ``ideal``: draw the predicted step end as a
-    dashed line (same units as the spans). Returns the matplotlib Axes.
+    with its microbatch number inside, idle time light grey, communication as thin strips:
+    pipeline sends and receives under each row, each axis' collectives (spans of kind
+    "tp", "dp", ...) above or below it as :data:`AXIS_STYLE` places them. ``unit``: "ms"
+    (spans in seconds, drawn in ms), "s", or "t" (schedule time units, drawn as they are).
+    ``ideal``: draw the predicted step end as a dashed line (same units as the spans).
+    ``row_labels``: one label per row, top first (default "stage r"). Returns the
+    matplotlib Axes.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -125,7 +139,7 @@ def draw_timeline(
     t1 = max((x.end for x in flat), default=1.0)
     width_total = (t1 - t0) * scale or 1.0
     h = 0.8
-    comm_h = 0.14
+    comm_h = 0.1  # a strip above and one below fit the gap between two rows (1 - h)
     for rank, spans in enumerate(lists):
         y = p - 1 - rank
         ax.broken_barh([(0.0, width_total)], (y - h / 2, h), facecolors=COLORS["idle"],
@@ -140,16 +154,25 @@ def draw_timeline(
                     ax.text(left + w / 2, y, str(x.mb), ha="center", va="center",
                             color="white", fontsize=8 if w > 0.03 * width_total else 6,
                             fontweight="bold")
-            elif x.kind in COMM and show_comm:
+            elif x.kind in _POINT_TO_POINT and show_comm:
                 ax.broken_barh([(left, max(w, 0.002 * width_total))],
                                (y - h / 2 - comm_h, comm_h),
                                facecolors=COLORS[x.kind], edgecolors="none")
+            elif x.kind in AXES and show_comm:
+                side, hatch = AXIS_STYLE[x.kind]
+                bottom = y + h / 2 if side == "above" else y - h / 2 - comm_h
+                ax.broken_barh([(left, max(w, 0.002 * width_total))], (bottom, comm_h),
+                               facecolors=COLORS["comm"], hatch=hatch,
+                               edgecolors="white" if hatch else "none", linewidth=0)
     if ideal is not None:
         ax.axvline(ideal * scale, color=COLORS["theory"], linestyle="--", linewidth=1.2)
         ax.text(ideal * scale, p - 0.45, "predicted end ", color=COLORS["theory"],
                 fontsize=8, va="bottom", ha="right")
+    if row_labels is not None and len(row_labels) != p:
+        raise ValueError(f"{len(row_labels)} row labels for {p} rows")
     ax.set_yticks(range(p))
-    ax.set_yticklabels([f"stage {r}" for r in reversed(range(p))])
+    ax.set_yticklabels(list(reversed(row_labels if row_labels is not None
+                                     else [f"stage {r}" for r in range(p)])))
     ax.set_ylim(-0.75, p - 0.2)
     right = max(width_total, (ideal or 0) * scale)
     ax.set_xlim(0, right * 1.01)
@@ -163,8 +186,15 @@ def draw_timeline(
         handles = [Patch(color=COLORS["forward"], label="forward"),
                    Patch(color=COLORS["backward"], label="backward"),
                    Patch(color=COLORS["idle"], label="idle (bubble)")]
-        if show_comm and any(x.kind in COMM for x in flat):
+        if show_comm and any(x.kind in _POINT_TO_POINT for x in flat):
             handles.append(Patch(color=COLORS["recv"], label="send / recv (thin strip)"))
+        if show_comm:
+            for axis in AXES:
+                if any(x.kind == axis for x in flat):
+                    side, hatch = AXIS_STYLE[axis]
+                    handles.append(Patch(facecolor=COLORS["comm"], hatch=hatch,
+                                         edgecolor="white" if hatch else COLORS["comm"],
+                                         label=f"{axis} collectives ({side} the row)"))
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
                   fontsize=8, frameon=False)
     for side in ("top", "right"):
@@ -172,4 +202,4 @@ def draw_timeline(
     return ax
 
 
-__all__ = ["COLORS", "WHO_PAYS", "draw_collective", "draw_timeline", "run_label"]
+__all__ = ["AXIS_STYLE", "COLORS", "WHO_PAYS", "draw_collective", "draw_timeline", "run_label"]

@@ -2,13 +2,19 @@
 
 - :mod:`~parlib.measure.timing`: :func:`time_it` (warm-up, device sync, median, spread).
 - :mod:`~parlib.measure.tables`: :class:`Table` (text and HTML), :func:`fmt_bytes`.
-- :mod:`~parlib.measure.comm_log`: :class:`CommLog` records every collective a rank makes.
-  While a log is active it **patches ``torch.distributed`` process-wide** (every thread
-  of the rank goes through it); the originals come back when the last log closes.
+- :mod:`~parlib.measure.intercept`: the one interception of ``torch.distributed`` (every
+  collective and point-to-point call, one table of ops and their bytes). While an
+  observer is subscribed it **patches ``torch.distributed`` process-wide** (every thread
+  of the rank goes through it); the originals come back when the last one leaves. The
+  three views on it:
+- :mod:`~parlib.measure.comm_log`: :class:`CommLog` records every call a rank makes.
+- :mod:`~parlib.measure.traffic`: :func:`axis_traffic` counts and times the calls on each
+  parallelism axis' group (spans of kind "tp", "dp", ...).
 - :mod:`~parlib.measure.memory`: bytes of parameters, gradients, optimizer state and saved
   activations (:class:`SavedActivations`, :func:`memory_breakdown`).
 - :mod:`~parlib.measure.timeline`: spans per rank (:class:`Recorder`) and their analysis.
-- :mod:`~parlib.measure.emulation`: emulated stage cost and slow links, labelled as such.
+- :mod:`~parlib.measure.emulation`: emulated stage cost and slow links (:class:`SlowLink`,
+  the third view), labelled as such.
 - :mod:`~parlib.measure.links`: the all-reduce alpha-beta fit the launching chapter saves and later
   chapters read (:func:`load_link`).
 
@@ -28,6 +34,7 @@ _WHERE = {
     "MemoryReport": "memory", "SavedActivations": "memory", "grad_bytes": "memory",
     "memory_breakdown": "memory", "optimizer_state_bytes": "memory", "param_bytes": "memory",
     "tensor_bytes": "memory",
+    "axis_traffic": "traffic",
     "Recorder": "timeline", "Span": "timeline", "align": "timeline", "busy_time": "timeline",
     "idle_spans": "timeline", "makespan": "timeline", "measured_bubble": "timeline",
     "PacedCost": "emulation", "SlowLink": "emulation", "StageCost": "emulation",

@@ -13,7 +13,6 @@ can show what a slow network does to a strategy. Everything emulated here says s
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -183,48 +182,14 @@ def default_cost(device: Any) -> StageCost | None:
 # Emulated links
 # --------------------------------------------------------------------------------------
 
-# torch.distributed name -> (the op name parlib.cost knows, where the message tensor is:
-# positional index, keyword). The message is the tensor for all-reduce, the input of a
-# reduce-scatter and the output of an all-gather, as in parlib.cost.collectives.
-_LINK_OPS: dict[str, tuple[str, int, str]] = {
-    "all_reduce": ("all_reduce", 0, "tensor"),
-    "reduce_scatter_single": ("reduce_scatter", 1, "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
-    "all_gather_single": ("all_gather", 0, "output_tensor"),
-    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
-    "all_gather": ("all_gather", 0, "tensor_list"),
-    # point-to-point: one message over one link, alpha + beta x bytes
-    "send": ("p2p", 0, "tensor"),
-    "recv": ("p2p", 0, "tensor"),
-    "isend": ("p2p", 0, "tensor"),
-    "irecv": ("p2p", 0, "tensor"),
-}
-_link_stack: list[tuple["SlowLink", dict[str, Any]]] = []
+_SLOWED = ("all_reduce", "reduce_scatter", "all_gather")  # the ring ops cost prices
+_link_stack: list[tuple["SlowLink", Any]] = []
 
 
-def _message_bytes(message: Any) -> int:
-    if isinstance(message, (list, tuple)):
-        return sum(_message_bytes(m) for m in message)
-    return message.numel() * message.element_size() if hasattr(message, "numel") else 0
-
-
-class _SlowWork:
-    """An async call's handle whose ``wait()`` returns no earlier than ``ready``, and at
-    least ``after`` seconds after the real wait returned (a receive: the data has to
-    arrive before the link's time starts)."""
-
-    def __init__(self, work: Any, ready: float, after: float = 0.0) -> None:
-        self._work, self._ready, self._after = work, ready, after
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        out = self._work.wait(*args, **kwargs)
-        left = max(self._ready - time.perf_counter(), self._after)
-        if left > 0:
-            time.sleep(left)
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
+def _sleep_until_time(due: float) -> None:
+    left = due - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
 
 
 @dataclass(frozen=True)
@@ -237,13 +202,18 @@ class SlowLink:
     ``time.sleep`` after the real call, so it scales with the bytes and the message count
     the way a real link's time does; the emulated link is the real one plus this much.
     Point-to-point messages (``send``, ``recv`` and their async forms) add one message's
-    alpha + B beta, paid by the sender and again by the receiver after the data arrives.
+    alpha + B beta, paid by the sender and again by the receiver after the data arrives;
+    a ``batch_isend_irecv`` pays the sum of its messages' times once all its handles have
+    been waited for. Broadcast, all-to-all and barriers, which the cost layer has no ring
+    time for, run unslowed.
 
     An asynchronous call's ``wait()`` returns no earlier than the emulated time after the
     call (so compute in between hides it, as on a real link). On a GPU the device is
     synchronised before the sleep. Enter it outside a :class:`~parlib.measure.CommLog` so
-    the log's seconds include the emulated time. Collectives that bypass the Python
-    functions (DDP's C++ reducer, DTensor's functional collectives) are not slowed.
+    the log's seconds include the emulated time. It is a view on
+    :mod:`parlib.measure.intercept`, so it sees the same calls a ``CommLog`` does (DTensor's
+    functional collectives included); collectives issued from C++ (DDP's reducer) are not
+    slowed.
     """
 
     alpha: float = 0.0
@@ -259,49 +229,45 @@ class SlowLink:
         return (f"emulated link: +{self.alpha * 1e6:g} us per message step and "
                 f"+{self.beta * 1e9:g} ns per byte (time.sleep after each collective)")
 
-    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def around(self, call: Any, proceed: Callable[[], Any]) -> Any:
+        """The interception layer's hook: the real call, then the emulated time."""
+        if call.op in _SLOWED:
+            extra = self.extra_seconds(call.op, call.nbytes, call.group_size)
+        elif call.op in ("send", "recv"):
+            extra = self.extra_seconds("p2p", call.nbytes, 2)
+        elif call.op == "batch_isend_irecv":
+            extra = sum(self.extra_seconds("p2p", p.tensor.numel() * p.tensor.element_size(), 2)
+                        for p in call.arguments["p2p_op_list"])
+        else:  # broadcast, all-to-all, barrier: no ring formula to emulate
+            return proceed()
+        from parlib.measure.intercept import on_wait
+
+        called = time.perf_counter()
+        result = proceed()
+        if call.op == "recv" and call.async_op:  # the data has to arrive first
+            return on_wait(result, lambda: time.sleep(extra))
+        if call.async_op:  # a wait returns no earlier than the link would deliver
+            return on_wait(result, lambda: _sleep_until_time(called + extra))
         import torch
-        import torch.distributed as dist
 
-        op, index, key = _LINK_OPS[name]
-
-        @functools.wraps(original)
-        def slowed(*args: Any, **kwargs: Any) -> Any:
-            message = args[index] if len(args) > index else kwargs.get(key)
-            group = kwargs.get("group")
-            n = (2 if op == "p2p" else dist.get_world_size(group) if group is not None
-                 else dist.get_world_size())
-            extra = self.extra_seconds(op, _message_bytes(message), n)
-            called = time.perf_counter()
-            result = original(*args, **kwargs)
-            if name == "irecv" and result is not None:
-                return _SlowWork(result, called, after=extra)
-            if (name == "isend" or kwargs.get("async_op", False)) and result is not None:
-                return _SlowWork(result, called + extra)
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-            time.sleep(extra)
-            return result
-
-        return slowed
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        time.sleep(extra)
+        return result
 
     def __enter__(self) -> SlowLink:
-        import torch.distributed as dist
+        from parlib.measure.intercept import observing
 
-        originals = {name: getattr(dist, name) for name in _LINK_OPS if hasattr(dist, name)}
-        for name, original in originals.items():
-            setattr(dist, name, self._wrap(name, original))
-        _link_stack.append((self, originals))
+        subscription = observing(self)
+        subscription.__enter__()
+        _link_stack.append((self, subscription))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import torch.distributed as dist
-
         if not _link_stack or _link_stack[-1][0] is not self:
             raise RuntimeError("SlowLink blocks must be closed in the reverse order of opening")
-        _, originals = _link_stack.pop()
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        _, subscription = _link_stack.pop()
+        subscription.__exit__(None, None, None)
 
 
 __all__ = ["PacedCost", "SlowLink", "StageCost", "default_cost"]

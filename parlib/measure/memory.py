@@ -42,7 +42,7 @@ def grad_bytes(params: Iterable[torch.Tensor]) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | Any) -> int:
     """Bytes of every tensor in ``optimizer.state`` (Adam: exp_avg, exp_avg_sq, step).
 
-    Anything with an ``optimizer`` attribute (such as :class:`parlib.dp.Zero1`) is unwrapped.
+    Anything with an ``optimizer`` attribute (such as :class:`parlib.Zero1`) is unwrapped.
     """
     optimizer = getattr(optimizer, "optimizer", optimizer)
     tensors = []
@@ -163,7 +163,7 @@ def memory_breakdown(
 
     Saved activations are counted during ``step``; parameters, gradients and optimizer
     state are counted after it (so Adam's moments exist). Wrappers that keep their own
-    shards (:class:`parlib.dp.Zero1`) report through their ``optimizer`` attribute.
+    shards (:class:`parlib.Zero1`) report through their ``optimizer`` attribute.
     """
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     if dev.type == "cuda":

@@ -14,8 +14,10 @@ In the notebook::
     measured_bubble(spans)      # 1 - busy / (p x step time)
 
 Spans of kind ``forward`` and ``backward`` are compute; ``send`` and ``recv`` are
-communication (a ``recv`` span includes the time spent waiting for the message); any time
-a rank is not computing is idle. Times come from ``time.perf_counter``, which on Linux
+communication (a ``recv`` span includes the time spent waiting for the message), and so
+is a span named after a parallelism axis (:data:`AXES`: a collective or message on that
+axis' group, recorded by :func:`parlib.measure.traffic.axis_traffic`); any time a rank is
+not computing is idle. Times come from ``time.perf_counter``, which on Linux
 reads one clock for every process of a machine, so ranks on one machine line up.
 """
 
@@ -29,8 +31,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 COMPUTE = ("forward", "backward")
-COMM = ("send", "recv")
-KINDS = ("forward", "backward", "send", "recv", "idle")
+# Communication on one parallelism axis' group: data, pipeline, tensor, context, expert.
+AXES = ("dp", "pp", "tp", "cp", "ep")
+COMM = ("send", "recv", *AXES)
+KINDS = (*COMPUTE, *COMM, "idle")
 
 
 @dataclass(frozen=True)
@@ -72,22 +76,25 @@ class Recorder:
         self.received: dict[int, int] = defaultdict(int)
         self._cuda = device is not None and str(device).startswith("cuda")
 
-    def _now(self) -> float:
+    def now(self) -> float:
+        """The clock spans are stamped with (after a device sync on CUDA)."""
         if self._cuda:
             import torch
 
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    _now = now  # the old private name, until parlib.strategies.combined stops calling it
+
     @contextmanager
     def span(self, kind: str, mb: int | None = None, chunk: int = 0) -> Iterator[None]:
         if kind not in KINDS:
             raise ValueError(f"unknown span kind {kind!r}; use one of {KINDS}")
-        start = self._now()
+        start = self.now()
         try:
             yield
         finally:
-            self.spans.append(Span(self.rank, kind, start, self._now(), mb, chunk))
+            self.spans.append(Span(self.rank, kind, start, self.now(), mb, chunk))
 
     def count(self, peer: int, nbytes: int, sent: bool) -> None:
         (self.sent if sent else self.received)[peer] += int(nbytes)
@@ -155,6 +162,7 @@ __all__ = [
     "Span",
     "Recorder",
     "COMPUTE",
+    "AXES",
     "COMM",
     "KINDS",
     "align",

@@ -91,3 +91,29 @@ def test_point_to_point_messages_pay_one_message_time():
     assert extra == pytest.approx(ALPHA + BETA * 2**18)  # alpha + beta x bytes
     assert issued < extra <= sent      # isend returns at once; its wait pays the link
     assert received >= extra           # the receiver pays it after the data arrives
+
+
+def _slowed_batch():
+    rank = dist.get_rank()
+    out, inp = torch.zeros(2**16), torch.ones(2**16)  # 256 KiB each way
+    with SlowLink(ALPHA, BETA) as link:
+        extra = link.extra_seconds("p2p", inp.numel() * 4, 2)
+        ops = [dist.P2POp(dist.isend, inp, 1 - rank), dist.P2POp(dist.irecv, out, 1 - rank)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = dist.batch_isend_irecv(ops if rank == 0 else ops[::-1])
+        issued = time.perf_counter() - t0
+        for work in works:
+            work.wait()
+        took = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        dist.broadcast(inp, src=0)  # no ring time in the cost layer: not slowed
+        broadcast = time.perf_counter() - t0
+    return extra, issued, took, broadcast, out.sum().item()
+
+
+def test_a_batch_of_messages_pays_each_message_time_on_its_wait():
+    for extra, issued, took, broadcast, received in parlib.launch(_slowed_batch, world_size=2):
+        assert received == 2**16
+        assert issued < 2 * extra <= took  # one send and one receive, paid by the waits
+        assert broadcast < extra

@@ -33,6 +33,7 @@ def test_recorder_spans_in_order():
     assert [(s.rank, s.kind, s.mb) for s in rec.spans] == [(2, "forward", 0), (2, "recv", 1)]
     assert rec.spans[0].duration >= 0.009
     assert rec.spans[1].start >= rec.spans[0].end
+    assert rec.spans[1].end <= rec.now()  # the clock the spans are stamped with
     rec.count(3, 100, sent=True)
     rec.count(3, 50, sent=True)
     rec.count(1, 7, sent=False)
