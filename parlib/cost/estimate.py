@@ -104,6 +104,11 @@ class Estimate:
         """Bytes one device sends per step over inter-node links."""
         return sum(v for k, v in self.bytes_sent.items() if self.links[k] == "inter-node")
 
+    @property
+    def name(self) -> str:
+        """The layout's name, with the model chunks per rank when interleaved: "d=8 x p=8 v=2"."""
+        return f"{self.layout}" + (f" v={self.v}" if self.v > 1 else "")
+
     def describe(self) -> str:
         """One line: fits or not (by how much), and what the step is bound by."""
         used = f"{self.memory_total / GB:.1f} of {self.hardware.memory_bytes / GB:.0f} GB"
@@ -117,8 +122,7 @@ class Estimate:
     def __str__(self) -> str:
         rc = {False: "", "selective": ", selective recompute", True: ", full recompute"}
         zero = f", ZeRO-{self.zero}" if self.zero else ""
-        chunks = f" v={self.v}" if self.v > 1 else ""
-        return (f"{self.layout} m={self.m}{chunks}{zero}{rc[self.recompute]}: "
+        return (f"{self.name} m={self.m}{zero}{rc[self.recompute]}: "
                 f"{self.memory_total / GB:.1f} GB, step {self.step_time:.3g} s, "
                 f"MFU {self.mfu:.0%}" + (f" ({self.reason})" if self.reason else ""))
 

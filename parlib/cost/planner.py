@@ -114,7 +114,7 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
         rival = min((e for e in best.values() if _split(e.layout) == smallest_split),
                     key=lambda e: e.step_time)
         ratio = rival.step_time / est.step_time
-        name = f"{rival.layout}" + (f" with ZeRO-{rival.zero}" if rival.zero else "")
+        name = rival.name + (f" with ZeRO-{rival.zero}" if rival.zero else "")
         if ratio > 1:
             gain = max(STEP_PARTS, key=lambda k: rival.time[k] - est.time[k])
             why = (f"splits {split} ways though {smallest_split} would fit: "

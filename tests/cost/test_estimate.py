@@ -111,6 +111,7 @@ def test_each_knob_moves_memory_and_time_the_right_way():
     p4 = [run(tp=2, pp=4, m=m) for m in (4, 16)]
     assert p4[0].time["pp_bubble"] > p4[1].time["pp_bubble"] > 0
     inter = run(tp=2, pp=4, m=16, v=2)
+    assert inter.name == "t=2 x d=2 x p=4 v=2" and p4[1].name == str(p4[1].layout)
     assert inter.time["pp_bubble"] < p4[1].time["pp_bubble"]
     assert inter.memory["pipeline_in_flight"] > p4[1].memory["pipeline_in_flight"]
     # a pipeline holds min(p, m) microbatches on its first stage
