@@ -6,8 +6,8 @@ no ranks, a second or two), and predicted against measured layouts here (about a
 
 Sections, each a function printing one table:
 
-- ``plan``: how long ``plan`` takes for a 1-trillion-parameter model on 4096 H100s
-  (target: under 1 s; median of repeats, each a fresh search), then its top 5 layouts.
+- ``plan``: how long the planner (``best_layouts``) takes for a 1-trillion-parameter model
+  on 4096 H100s (target: under 1 s; median of repeats, each a fresh search), then its top 5 layouts.
 - ``published``: predicted (at peak compute) against reported utilisation of the published
   runs in ``parlib.cost.published``.
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from parlib.cost import Cluster, Model, plan
+from parlib.cost import AXES, Hardware, Model, best_layouts
 from parlib.cost.estimate import Estimate
 from parlib.cost.hardware import GB
 from parlib.cost.published import comparison_table
@@ -34,27 +34,29 @@ TRILLION = Model(128, 25600, 160, 2048, 51200, tied_embeddings=True, dropout=Tru
                  name="GPT 1T")
 
 
-def time_plan(model: Model, cluster: Cluster, global_batch: int, repeats: int
+def time_plan(model: Model, hardware: Hardware, global_batch: int, repeats: int
               ) -> tuple[list[float], list[Estimate]]:
     """Seconds of each of ``repeats`` full searches, and the last search's answer."""
     seconds, ranked = [], []
     for _ in range(repeats):
         start = time.perf_counter()
-        ranked = plan(model, cluster, global_batch=global_batch)
+        ranked = best_layouts(model, hardware, global_batch=global_batch)
         seconds.append(time.perf_counter() - start)
     return seconds, ranked
 
 
 def layout_table(ranked: list[Estimate]) -> str:
     """One row per estimate: layout, schedule, memory, step time and its parts, MFU."""
-    rows = [f"{'#':>2} {'d':>5} {'t':>3} {'p':>4} {'v':>2} {'m':>5} {'ZeRO':>4} "
+    sizes = " ".join(f"{a.symbol:>4}" for a in AXES)
+    rows = [f"{'#':>2} {sizes} {'v':>2} {'m':>5} {'ZeRO':>4} "
             f"{'recompute':>9} {'GB/dev':>7} {'step s':>7} {'compute':>7} {'tp':>6} "
             f"{'bubble':>6} {'dp':>6} {'MFU':>5}"]
     rc = {False: "-", "selective": "selective", True: "full"}
     for i, e in enumerate(ranked, 1):
         share = {k: e.time[k] / e.step_time for k in ("compute", "tp_comm", "pp_bubble",
                                                        "dp_sync")}
-        rows.append(f"{i:>2} {e.d:>5} {e.t:>3} {e.p:>4} {e.v:>2} {e.m:>5} {e.zero:>4} "
+        sizes = " ".join(f"{n:>4}" for n in e.layout.values())
+        rows.append(f"{i:>2} {sizes} {e.v:>2} {e.m:>5} {e.zero:>4} "
                     f"{rc[e.recompute]:>9} {e.memory_total / GB:>7.1f} {e.step_time:>7.2f} "
                     f"{share['compute']:>7.0%} {share['tp_comm']:>6.0%} "
                     f"{share['pp_bubble']:>6.0%} {share['dp_sync']:>6.0%} {e.mfu:>5.0%}")
@@ -63,9 +65,10 @@ def layout_table(ranked: list[Estimate]) -> str:
 
 
 def plan_section(args: argparse.Namespace) -> None:
-    cluster = Cluster.dgx_h100(4096)
-    seconds, ranked = time_plan(TRILLION, cluster, args.global_batch, args.repeats)
-    print(f"\nplan({TRILLION.name}, {TRILLION.n_params / 1e12:.2f} T params; {cluster}; "
+    hardware = Hardware.dgx_h100(4096)
+    seconds, ranked = time_plan(TRILLION, hardware, args.global_batch, args.repeats)
+    print(f"\nbest_layouts({TRILLION.name}, {TRILLION.n_params / 1e12:.2f} T params; "
+          f"{hardware}; "
           f"global batch {args.global_batch} x {TRILLION.seq_len} tokens)")
     print(f"  search time: median {statistics.median(seconds):.3f} s of {args.repeats} "
           f"(min {min(seconds):.3f}, max {max(seconds):.3f}); target < 1 s")
@@ -88,7 +91,7 @@ def layouts_section(args: argparse.Namespace) -> None:
     fit, source = load_or_measure(4, launch=parlib.launch)
     one_core = L.compute_rate()
     rate = one_core / args.slowdown
-    here = Cluster.measured_here(4, allreduce_fit=(fit.a, fit.b), fit_ranks=fit.n,
+    here = Hardware.measured_here(4, allreduce_fit=(fit.a, fit.b), fit_ranks=fit.n,
                                  flops_per_second=rate)
     print(f"\nlayouts: 4 ranks, link from {source} ({fit.backend}: alpha "
           f"{here.intra_node.alpha * 1e6:.0f} us, {here.intra_node.bandwidth / 1e9:.2f} GB/s); "
@@ -97,8 +100,8 @@ def layouts_section(args: argparse.Namespace) -> None:
     for title, link in (("measured link", None),
                         (f"+ emulated {args.slow_beta * 1e9:g} ns per byte (SlowLink)",
                          (0.0, args.slow_beta))):
-        cluster = here.slowed_by(*link) if link else here
-        predicted = L.predict(L.LAYOUTS, cluster)
+        hardware = here.slowed_by(*link) if link else here
+        predicted = L.predict(L.LAYOUTS, hardware)
         results = parlib.launch(L.rank_time_layouts, flops_per_second=rate, link=link,
                                 reference=reference, tolerance=(verify.RTOL, verify.ATOL),
                                 repeats=args.layout_repeats, world_size=4, timeout=600)
@@ -125,7 +128,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
-    ap.add_argument("--repeats", type=int, default=5, help="plan searches to time")
+    ap.add_argument("--repeats", type=int, default=5, help="planner searches to time")
     ap.add_argument("--global-batch", type=int, default=4096, help="sequences per step")
     ap.add_argument("--slowdown", type=float, default=16.0,
                     help="layouts: emulated device = one core's rate / this")

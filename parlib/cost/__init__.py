@@ -1,20 +1,26 @@
-"""Every formula the course uses, in pure Python (no torch): importable anywhere, instant.
+"""The course's formulas, in pure Python (no torch): importable anywhere, instant.
 
-- :mod:`parlib.cost.collectives`: bytes a collective sends, the alpha-beta time model.
-- :mod:`parlib.cost.pipeline`: the bubble, the ideal step time, stage-boundary bytes.
+- :mod:`parlib.cost.layout`: ``Layout``, the size of every axis of parallelism and the rank
+  order (which axis varies fastest), written once; ``AXES``, the axes as data.
+- :mod:`parlib.cost.collectives`: bytes a collective sends, the alpha-beta time model and
+  its fit to measured times.
+- :mod:`parlib.cost.pipeline`: the bubble, step times with microbatches, microbatches in
+  flight, stage-boundary bytes.
 - :mod:`parlib.cost.memory`: model-state bytes per parameter and per ZeRO stage,
-  activation bytes per layer.
-- :mod:`parlib.cost.tensor`: bytes a tensor-parallel layer all-reduces.
+  activation and logits bytes per layer.
+- :mod:`parlib.cost.tensor`: bytes a tensor-parallel layer sends, parameters per rank.
 
 Built on them, the choosing chapter's cost model:
 
 - :mod:`parlib.cost.model`: ``Model``, a transformer's parameter count and FLOPs per token.
-- :mod:`parlib.cost.hardware`: ``Cluster`` and ``Link``, presets with their sources.
-- :mod:`parlib.cost.estimate`: ``estimate``, memory and step time of one layout d x t x p.
-- :mod:`parlib.cost.planner`: ``plan``, the fastest layouts that fit, with reasons.
+- :mod:`parlib.cost.hardware`: ``Hardware`` and ``Link``, presets with their sources (not
+  ``parlib.Cluster``, which keeps ranks warm).
+- :mod:`parlib.cost.estimate`: ``estimate``, memory and step time of one layout.
+- :mod:`parlib.cost.planner`: ``best_layouts``, the fastest layouts that fit, with reasons.
 - :mod:`parlib.cost.published`: published runs to hold the model against.
 
-Notebooks, checks and benchmarks import these; nothing retypes a formula.
+Each formula is written once, in the module named for it; the estimate and the planner call
+those functions rather than restating them.
 """
 
 from parlib.cost.collectives import (
@@ -26,7 +32,8 @@ from parlib.cost.collectives import (
     predicted_sent_bytes,
 )
 from parlib.cost.estimate import Estimate, estimate
-from parlib.cost.hardware import Cluster, Link
+from parlib.cost.hardware import Hardware, Link
+from parlib.cost.layout import AXES, Axis, Layout
 from parlib.cost.memory import (
     activation_bytes_per_layer,
     adam_bytes_per_param,
@@ -48,21 +55,26 @@ from parlib.cost.pipeline import (
     microbatch_time,
     min_microbatches,
 )
-from parlib.cost.planner import plan
+from parlib.cost.planner import best_layouts, candidate_layouts
 from parlib.cost.tensor import tp_message_bytes, tp_sent_bytes_per_layer
 
 __all__ = [
-    "Cluster",
+    "AXES",
+    "Axis",
     "Estimate",
+    "Hardware",
+    "Layout",
     "Link",
     "Model",
     "activation_bytes_per_layer",
     "adam_bytes_per_param",
+    "best_layouts",
     "best_microbatches",
     "boundary_bytes",
     "bubble_fraction",
     "bubble_ratio",
     "bus_bandwidth",
+    "candidate_layouts",
     "collective_time",
     "estimate",
     "fit_alpha_beta",
@@ -78,7 +90,6 @@ __all__ = [
     "model_state_bytes_by_kind",
     "model_state_bytes_per_param",
     "per_link_alpha_beta",
-    "plan",
     "predicted_sent_bytes",
     "tp_message_bytes",
     "tp_sent_bytes_per_layer",

@@ -1,10 +1,11 @@
-"""Memory per device and time per step of one layout d x t x p, from the formulas of this
-package: does it fit, how long does a step take, and where does the time go.
+"""Memory per device and time per step of one :class:`~parlib.cost.layout.Layout`, from the
+formulas of this package: does it fit, how long does a step take, and where does the time go.
 
-Rank order (as Megatron-LM and torchtitan): tensor-parallel rank varies fastest, then the
-data-parallel rank, pipeline stage outermost. So a TP group is t adjacent ranks (in one
-node when t divides devices_per_node), a DP group spans t x d ranks and a pipeline spans
-all of them; a group is charged the slowest link inside it (:meth:`Cluster.link_for`).
+Ranks are numbered in the layout's rank order (tp fastest, then dp, pp slowest), so a group
+of an axis lies in a block of ``layout.span(axis)`` consecutive ranks: a TP group is t
+adjacent ranks (in one node when t divides devices_per_node), a DP group spans t x d ranks
+and a pipeline all of them; a group is charged the slowest link inside that block
+(:meth:`Hardware.link_for`).
 
 What the model assumes, in one place:
 
@@ -29,7 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parlib.cost.collectives import collective_time, message_time, predicted_sent_bytes
-from parlib.cost.hardware import GB, Cluster
+from parlib.cost.hardware import GB, Hardware
+from parlib.cost.layout import Layout
 from parlib.cost.memory import activation_bytes_per_layer, logits_bytes, model_state_bytes_by_kind
 from parlib.cost.model import Model
 from parlib.cost.pipeline import boundary_bytes, bubble_fraction, in_flight_microbatches
@@ -50,14 +52,14 @@ class Estimate:
     pp_bubble, pp_send and dp_sync (the exposed part of the gradient sync), and beside
     them dp_sync_total and dp_sync_hidden (the part that overlaps backward).
     ``bytes_sent`` (per device per step) and ``links`` ("intra-node", "inter-node" or
-    "none") are keyed "tp", "pp", "dp".
+    "none") are keyed by axis name ("tp", "pp", "dp"). ``layout.tp`` and so on are the
+    sizes; ``m`` microbatches per step per data-parallel rank, ``v`` model chunks per
+    pipeline rank.
     """
 
     model: Model = field(repr=False)
-    cluster: Cluster = field(repr=False)
-    d: int
-    t: int
-    p: int
+    hardware: Hardware = field(repr=False)
+    layout: Layout
     m: int
     v: int
     global_batch: int
@@ -79,7 +81,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.memory_total <= self.cluster.memory_bytes
+        return self.memory_total <= self.hardware.memory_bytes
 
     @property
     def step_time(self) -> float:
@@ -89,8 +91,8 @@ class Estimate:
     def mfu(self) -> float:
         """Model FLOPs utilisation: the model's training FLOPs (recomputation not counted)
         per second, over the devices' peak."""
-        return self.model_flops / (self.step_time * self.cluster.n_devices
-                                   * self.cluster.peak_flops)
+        return self.model_flops / (self.step_time * self.hardware.n_devices
+                                   * self.hardware.peak_flops)
 
     @property
     def hfu(self) -> float:
@@ -103,12 +105,13 @@ class Estimate:
         return sum(v for k, v in self.bytes_sent.items() if self.links[k] == "inter-node")
 
     @property
-    def layout(self) -> str:
-        return f"d={self.d} t={self.t} p={self.p}" + (f" v={self.v}" if self.v > 1 else "")
+    def name(self) -> str:
+        """The layout's name, with the model chunks per rank when interleaved: "d=8 x p=8 v=2"."""
+        return f"{self.layout}" + (f" v={self.v}" if self.v > 1 else "")
 
     def describe(self) -> str:
         """One line: fits or not (by how much), and what the step is bound by."""
-        used = f"{self.memory_total / GB:.1f} of {self.cluster.memory_bytes / GB:.0f} GB"
+        used = f"{self.memory_total / GB:.1f} of {self.hardware.memory_bytes / GB:.0f} GB"
         if not self.fits:
             biggest = max(MEMORY_PARTS, key=self.memory.get)
             return f"does not fit: {used} ({biggest} {self.memory[biggest] / GB:.1f} GB)"
@@ -119,18 +122,18 @@ class Estimate:
     def __str__(self) -> str:
         rc = {False: "", "selective": ", selective recompute", True: ", full recompute"}
         zero = f", ZeRO-{self.zero}" if self.zero else ""
-        return (f"{self.layout} m={self.m}{zero}{rc[self.recompute]}: "
+        return (f"{self.name} m={self.m}{zero}{rc[self.recompute]}: "
                 f"{self.memory_total / GB:.1f} GB, step {self.step_time:.3g} s, "
                 f"MFU {self.mfu:.0%}" + (f" ({self.reason})" if self.reason else ""))
 
 
-def estimate(model: Model, cluster: Cluster, *, d: int, t: int, p: int, m: int,
+def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
              global_batch: int, zero: int = 0, recompute: bool | str = False, v: int = 1,
              sequence_parallel: bool = True, mixed_precision: bool = True,
              dp_overlap: bool = True) -> Estimate:
-    """Predict one layout: d data-parallel x t tensor-parallel x p pipeline ranks, m
-    microbatches per step per data-parallel rank, ``global_batch`` sequences per step,
-    v model chunks per pipeline rank (v > 1: the interleaved schedule).
+    """Predict one layout, e.g. ``Layout(dp=8, tp=8)`` (a mapping of axis sizes is taken as
+    one): m microbatches per step per data-parallel rank, ``global_batch`` sequences per
+    step, v model chunks per pipeline rank (v > 1: the interleaved schedule).
 
     ``recompute``: False, "selective" (attention scores recomputed, as FlashAttention) or
     True (full). ``mixed_precision``: bf16 activations and messages with fp32 Adam state
@@ -139,29 +142,33 @@ def estimate(model: Model, cluster: Cluster, *, d: int, t: int, p: int, m: int,
     hidden), as the combining chapter's ``train_step_3d`` does.
     Raises ValueError naming the problem for a layout that cannot exist.
     """
-    check_inputs(model, cluster)
-    check_layout(model, cluster.n_devices, d=d, t=t, p=p, m=m, global_batch=global_batch, v=v)
+    check_inputs(model, hardware)
+    layout = Layout.of(layout)
+    check_layout(model, hardware.n_devices, layout, m=m, global_batch=global_batch, v=v)
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if not any(recompute is r for r in RECOMPUTE):
         raise ValueError(f"recompute must be False, 'selective' or True, got {recompute!r}")
-    est = _evaluate(model, cluster, d, t, p, m, v, global_batch, zero, recompute,
+    est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                     sequence_parallel, mixed_precision, dp_overlap)
     est.reason = est.describe()
     return est
 
 
-def check_layout(model: Model, n_devices: int, *, d: int, t: int, p: int, m: int,
+def check_layout(model: Model, n_devices: int, layout: Layout, *, m: int,
                  global_batch: int, v: int = 1) -> None:
-    """A ValueError naming the problem when d x t x p (m microbatches, v chunks) cannot lay
+    """A ValueError naming the problem when ``layout`` (m microbatches, v chunks) cannot lay
     ``model`` out on ``n_devices`` devices with ``global_batch`` sequences per step."""
-    for name, value in (("d", d), ("t", t), ("p", p), ("m", m), ("v", v),
-                        ("global_batch", global_batch)):
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a parlib.cost.Layout, e.g. Layout(dp=2, tp=2), got "
+                         f"{type(layout).__name__}")
+    for name, value in (("m", m), ("v", v), ("global_batch", global_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if d * t * p != n_devices:
-        raise ValueError(f"d x t x p = {d} x {t} x {p} = {d * t * p}, but the cluster has "
-                         f"{n_devices} devices")
+    if layout.world != n_devices:
+        raise ValueError(f"the layout {layout} is {layout.world} devices, but the hardware "
+                         f"has {n_devices}")
+    d, t, p = layout.dp, layout.tp, layout.pp
     if model.n_heads % t:
         raise ValueError(f"t = {t} does not divide the model's {model.n_heads} attention heads")
     if model.n_layers % p:
@@ -178,27 +185,29 @@ def check_layout(model: Model, n_devices: int, *, d: int, t: int, p: int, m: int
                          f" = {d * m}: each data-parallel rank runs m equal microbatches")
 
 
-def check_inputs(model: Model, cluster: Cluster) -> None:
-    """A clear error when the model or cluster is of the wrong kind."""
+def check_inputs(model: Model, hardware: Hardware) -> None:
+    """A clear error when the model or hardware is of the wrong kind."""
     if not isinstance(model, Model):
         raise ValueError(f"model must be a parlib.cost.Model, got {type(model).__name__} "
                          f"(for the course's ModelConfig use Model.from_config(cfg))")
-    if not isinstance(cluster, Cluster):
-        raise ValueError(f"cluster must be a parlib.cost.Cluster, got {type(cluster).__name__}"
-                         f" (parlib.Cluster runs ranks; parlib.cost.Cluster describes hardware)")
+    if not isinstance(hardware, Hardware):
+        raise ValueError(f"hardware must be a parlib.cost.Hardware, got "
+                         f"{type(hardware).__name__} (parlib.Cluster runs ranks here; "
+                         f"parlib.cost.Hardware describes the machines a layout runs on)")
 
 
-def _evaluate(model: Model, cluster: Cluster, d: int, t: int, p: int, m: int, v: int,
+def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
               mixed_precision: bool, dp_overlap: bool = True) -> Estimate:
     """The estimate, inputs already checked (the planner calls this directly)."""
     s, h, L = model.seq_len, model.d_model, model.n_layers
-    n = cluster.n_devices
+    d, t, p = layout.dp, layout.tp, layout.pp
+    n = hardware.n_devices
     b = global_batch // (d * m)
     act_bytes = 2 if mixed_precision else 4
     full = recompute is True
-    spans = {"tp": t, "dp": t * d, "pp": n}
-    links = {k: cluster.link_for(span) for k, span in spans.items()}
+    spans = {k: layout.span(k) for k in layout}
+    links = {k: hardware.link_for(span) for k, span in spans.items()}
 
     # ---- memory of the first and of the last stage; keep the larger
     layers = L // p
@@ -239,7 +248,7 @@ def _evaluate(model: Model, cluster: Cluster, d: int, t: int, p: int, m: int, v:
     extra = {False: 0, "selective": model.attention_flops_per_token,
              True: model.layers_forward_flops_per_token}[recompute]
     hardware_flops = model_flops + extra * tokens
-    compute = hardware_flops / n / (cluster.peak_flops * cluster.compute_efficiency)
+    compute = hardware_flops / n / (hardware.peak_flops * hardware.compute_efficiency)
 
     # ---- tensor parallelism: all-reduces of (b, s, h) per layer, every microbatch
     passes = ("forward", "backward") + (("forward",) if full else ())
@@ -284,19 +293,19 @@ def _evaluate(model: Model, cluster: Cluster, d: int, t: int, p: int, m: int, v:
     time = {"compute": compute, "tp_comm": tp_comm, "pp_bubble": pp_bubble,
             "pp_send": pp_send, "dp_sync": dp_total - dp_hidden,
             "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden}
-    return Estimate(model=model, cluster=cluster, d=d, t=t, p=p, m=m, v=v,
+    return Estimate(model=model, hardware=hardware, layout=layout, m=m, v=v,
                    global_batch=global_batch, zero=zero, recompute=recompute, micro_batch=b,
                    memory=memory, time=time,
                    bytes_sent={"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes},
-                   links={k: _where(cluster, span, degree) for (k, span), degree
-                          in zip(spans.items(), (t, d, p))}, stage=stage,
+                   links={k: _where(hardware, span, layout[k]) for k, span in spans.items()},
+                   stage=stage,
                    model_flops=model_flops, hardware_flops=hardware_flops)
 
 
-def _where(cluster: Cluster, span: int, degree: int) -> str:
+def _where(hardware: Hardware, span: int, degree: int) -> str:
     if degree == 1:
         return "none"
-    return "intra-node" if cluster.in_one_node(span) else "inter-node"
+    return "intra-node" if hardware.in_one_node(span) else "inter-node"
 
 
 __all__ = ["MEMORY_PARTS", "RECOMPUTE", "STEP_PARTS", "Estimate", "check_layout", "estimate"]

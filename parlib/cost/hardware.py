@@ -1,4 +1,7 @@
-"""A cluster described by the numbers the cost model needs: memory, compute rate, two links.
+"""Hardware described by the numbers the cost model needs: memory, compute rate, two links.
+
+:class:`Hardware` is the machines a layout would run on (not to be confused with
+:class:`parlib.Cluster`, which keeps ranks warm here).
 
 Devices sit in nodes of ``devices_per_node``; a fast link joins devices inside a node
 (NVLink), a slower one joins nodes (InfiniBand, one NIC per GPU). A :class:`Link` is the
@@ -48,7 +51,7 @@ class Link:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class Hardware:
     """``n_devices`` devices in nodes of ``devices_per_node``.
 
     ``memory_bytes`` and ``peak_flops`` are per device (peak at the training dtype).
@@ -98,19 +101,19 @@ class Cluster:
         """The slowest link inside such a block: the node's own when it is in one node."""
         return self.intra_node if self.in_one_node(span) else self.inter_node
 
-    def slowed_by(self, alpha: float, beta: float) -> Cluster:
+    def slowed_by(self, alpha: float, beta: float) -> Hardware:
         """A copy whose links both have ``alpha`` s per message and ``beta`` s per byte
         added (an emulated slower network, as :class:`parlib.measure.SlowLink` makes)."""
         return replace(self, intra_node=self.intra_node.slowed_by(alpha, beta),
                        inter_node=self.inter_node.slowed_by(alpha, beta))
 
-    def with_(self, **changes: Any) -> Cluster:
-        """A copy with some fields changed, e.g. ``cluster.with_(n_devices=64)``."""
+    def with_(self, **changes: Any) -> Hardware:
+        """A copy with some fields changed, e.g. ``hardware.with_(n_devices=64)``."""
         return replace(self, **changes)
 
     # ---- presets: one node of 8 GPUs, NVLink inside, one InfiniBand NIC per GPU between.
     @classmethod
-    def dgx_a100(cls, n_devices: int = 8, **changes: Any) -> Cluster:
+    def dgx_a100(cls, n_devices: int = 8, **changes: Any) -> Hardware:
         """NVIDIA DGX A100 (80 GB) nodes."""
         return cls(
             n_devices=n_devices,
@@ -125,7 +128,7 @@ class Cluster:
         ).with_(**changes)
 
     @classmethod
-    def dgx_h100(cls, n_devices: int = 8, **changes: Any) -> Cluster:
+    def dgx_h100(cls, n_devices: int = 8, **changes: Any) -> Hardware:
         """NVIDIA DGX H100 nodes (H100 SXM5 80 GB)."""
         return cls(
             n_devices=n_devices,
@@ -141,7 +144,7 @@ class Cluster:
         ).with_(**changes)
 
     @classmethod
-    def dgx_h200(cls, n_devices: int = 8, **changes: Any) -> Cluster:
+    def dgx_h200(cls, n_devices: int = 8, **changes: Any) -> Hardware:
         """NVIDIA DGX H200 nodes (H200 SXM 141 GB)."""
         return cls(
             n_devices=n_devices,
@@ -160,7 +163,7 @@ class Cluster:
     def measured_here(cls, n_devices: int, *, allreduce_fit: tuple[float, float],
                       fit_ranks: int, flops_per_second: float,
                       memory_bytes: float = math.inf,
-                      devices_per_node: int | None = None) -> Cluster:
+                      devices_per_node: int | None = None) -> Hardware:
         """This machine, from the launching chapter's measurements.
 
         ``allreduce_fit`` is ``fit_alpha_beta(sizes, seconds)`` of all-reduce times on
@@ -180,10 +183,10 @@ class Cluster:
                    intra_node=link, inter_node=link, name="measured here")
 
     def __str__(self) -> str:
-        return (f"{self.name or 'cluster'}: {self.n_devices} devices, {self.devices_per_node} "
+        return (f"{self.name or 'hardware'}: {self.n_devices} devices, {self.devices_per_node} "
                 f"per node, {self.memory_bytes / GB:.3g} GB, "
                 f"{self.peak_flops / 1e12:.3g} TFLOP/s peak, links "
                 f"{self.intra_node.bandwidth / GB:.3g} / {self.inter_node.bandwidth / GB:.3g} GB/s")
 
 
-__all__ = ["GB", "Cluster", "Link"]
+__all__ = ["GB", "Hardware", "Link"]

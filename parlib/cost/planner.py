@@ -1,5 +1,6 @@
-"""Choose the layout: try every valid d x t x p (with m, v, ZeRO stage and recomputation),
-keep the ones that fit, return the fastest, each with a one-line reason.
+"""Choose the layout: try every valid :class:`~parlib.cost.layout.Layout` (with m, v, ZeRO
+stage and recomputation), keep the ones that fit, return the fastest, each with a one-line
+reason (:func:`best_layouts`).
 
 Every layout gets its best setting: the fastest (m, v, zero, recompute) that fits; among
 settings equally fast the simplest (no ZeRO, no recomputation, fewest microbatches) wins.
@@ -7,8 +8,11 @@ settings equally fast the simplest (no ZeRO, no recomputation, fewest microbatch
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from parlib.cost.estimate import RECOMPUTE, STEP_PARTS, Estimate, _evaluate, check_inputs
-from parlib.cost.hardware import GB, Cluster
+from parlib.cost.hardware import GB, Hardware
+from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 
 _WHY_FASTER = {"compute": "less compute", "tp_comm": "less tensor-parallel traffic",
@@ -22,10 +26,11 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // k for k in small]))
 
 
-def layouts(model: Model, cluster: Cluster, global_batch: int):
-    """Every valid (d, t, p, m, v): t divides the heads, p the layers, v the layers per
+def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
+                      ) -> Iterator[tuple[Layout, int, int]]:
+    """Every valid (layout, m, v): t divides the heads, p the layers, v the layers per
     stage, d x m the global batch, and m is a multiple of p when v > 1."""
-    n = cluster.n_devices
+    n = hardware.n_devices
     for t in divisors(n):
         if model.n_heads % t:
             continue
@@ -35,11 +40,12 @@ def layouts(model: Model, cluster: Cluster, global_batch: int):
             d = n // (t * p)
             if global_batch % d:
                 continue
+            layout = Layout(dp=d, tp=t, pp=p)
             chunks = divisors(model.n_layers // p) if p > 1 else [1]
             for m in divisors(global_batch // d):
                 for v in chunks:
                     if v == 1 or m % p == 0:
-                        yield d, t, p, m, v
+                        yield layout, m, v
 
 
 def _simplicity(est: Estimate) -> tuple:
@@ -53,32 +59,34 @@ def _faster(a: Estimate, b: Estimate) -> bool:
     return _simplicity(a) < _simplicity(b)
 
 
-def plan(model: Model, cluster: Cluster, *, global_batch: int, top: int = 5,
-         sequence_parallel: bool = True, mixed_precision: bool = True) -> list[Estimate]:
-    """The ``top`` fastest layouts d x t x p that fit, fastest first, each with ``.reason``.
+def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: int = 5,
+                 sequence_parallel: bool = True, mixed_precision: bool = True
+                 ) -> list[Estimate]:
+    """The ``top`` fastest layouts that fit, fastest first, each with ``.reason``: one
+    :class:`Estimate` per layout, at its best setting.
 
     An empty list means no valid layout fits, not even with ZeRO-3 and full recomputation
     (or that no d divides the global batch).
     """
-    check_inputs(model, cluster)
+    check_inputs(model, hardware)
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top!r}")
-    best: dict[tuple[int, int, int], Estimate] = {}
+    best: dict[Layout, Estimate] = {}
     smallest_split_that_fits = None
-    for d, t, p, m, v in layouts(model, cluster, global_batch):
+    for layout, m, v in candidate_layouts(model, hardware, global_batch):
+        split = _split(layout)
         for recompute in RECOMPUTE:
-            for zero in ((0, 1, 2, 3) if d > 1 else (0,)):
-                est = _evaluate(model, cluster, d, t, p, m, v, global_batch, zero, recompute,
+            for zero in ((0, 1, 2, 3) if layout.dp > 1 else (0,)):
+                est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                                 sequence_parallel, mixed_precision)
                 if not est.fits:
                     continue
-                if smallest_split_that_fits is None or t * p < smallest_split_that_fits:
-                    smallest_split_that_fits = t * p
-                key = (d, t, p)
-                if key not in best or _faster(est, best[key]):
-                    best[key] = est
+                if smallest_split_that_fits is None or split < smallest_split_that_fits:
+                    smallest_split_that_fits = split
+                if layout not in best or _faster(est, best[layout]):
+                    best[layout] = est
                 break  # a higher ZeRO stage only adds traffic once this one fits
     ranked = sorted(best.values(), key=lambda e: (e.step_time, _simplicity(e)))[:top]
     for est in ranked:
@@ -86,10 +94,15 @@ def plan(model: Model, cluster: Cluster, *, global_batch: int, top: int = 5,
     return ranked
 
 
+def _split(layout: Layout) -> int:
+    """How many ways the model's weights are split: every axis but data parallelism's."""
+    return layout.world // layout.dp
+
+
 def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
     """One line: why this much splitting, where the tensor-parallel group sits, what binds."""
-    split = est.t * est.p
-    cap = est.cluster.memory_bytes
+    split = _split(est.layout)
+    cap = est.hardware.memory_bytes
     if split == 1 and est.zero:
         why = f"pure data parallelism, the model state sharded by ZeRO-{est.zero}"
     elif split == 1:
@@ -98,10 +111,10 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
     elif split == smallest_split:
         why = f"the weights need {split}-way splitting to fit"
     else:
-        rival = min((e for e in best.values() if e.t * e.p == smallest_split),
+        rival = min((e for e in best.values() if _split(e.layout) == smallest_split),
                     key=lambda e: e.step_time)
         ratio = rival.step_time / est.step_time
-        name = rival.layout + (f" with ZeRO-{rival.zero}" if rival.zero else "")
+        name = rival.name + (f" with ZeRO-{rival.zero}" if rival.zero else "")
         if ratio > 1:
             gain = max(STEP_PARTS, key=lambda k: rival.time[k] - est.time[k])
             why = (f"splits {split} ways though {smallest_split} would fit: "
@@ -109,11 +122,11 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
         else:
             why = (f"splits {split} ways though {smallest_split} would fit "
                    f"({name} is {1 / ratio:.2f}x as fast)")
-    parts = [f"t = {est.t}, p = {est.p}, d = {est.d}: {why}"]
-    if est.t > 1:
+    parts = [f"{est.layout}: {why}"]
+    if est.layout.tp > 1:
         parts.append("kept in one node" if est.links["tp"] == "intra-node"
                      else "tensor parallelism spans nodes")
-    if est.p > 1:
+    if est.layout.pp > 1:
         bubble = est.time["pp_bubble"] / est.step_time
         parts.append(f"m = {est.m}" + (f", v = {est.v}" if est.v > 1 else "")
                      + f": bubble {bubble:.0%}")
@@ -128,4 +141,4 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["divisors", "layouts", "plan"]
+__all__ = ["best_layouts", "candidate_layouts", "divisors"]

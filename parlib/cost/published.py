@@ -1,4 +1,4 @@
-"""Published large training runs, to hold the cost model against: model, cluster, layout and
+"""Published large training runs, to hold the cost model against: model, hardware, layout and
 the utilisation each paper reported.
 
 Only figures stated in the cited tables are used as reported values; everything the tables
@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parlib.cost.estimate import Estimate, estimate
-from parlib.cost.hardware import Cluster
+from parlib.cost.hardware import Hardware
+from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 
 
@@ -22,14 +23,16 @@ class PublishedRun:
     """One run: what the paper states, what we assume, and what it reported.
 
     ``metric`` is "hfu" when the paper's FLOP count includes recomputation (Megatron-LM's
-    teraFLOP/s) and "mfu" when it does not (Llama 3's "BF16 MFU").
+    teraFLOP/s) and "mfu" when it does not (Llama 3's "BF16 MFU"). ``settings`` are
+    :func:`~parlib.cost.estimate.estimate`'s keyword arguments (m, global_batch, ...).
     """
 
     name: str
     source: str
     model: Model
-    cluster: Cluster
-    layout: dict
+    hardware: Hardware
+    layout: Layout
+    settings: dict
     metric: str
     reported: float  # fraction of peak
     reported_tflops_per_device: float
@@ -37,7 +40,7 @@ class PublishedRun:
     reported_params: float | None = None  # billions, where the table states it
 
     def estimate(self) -> Estimate:
-        return estimate(self.model, self.cluster, **self.layout)
+        return estimate(self.model, self.hardware, self.layout, **self.settings)
 
     def predicted(self, est: Estimate | None = None) -> float:
         """The model's figure for the paper's metric, at peak compute."""
@@ -65,9 +68,10 @@ def _megatron_row(billions: str, heads: int, hidden: int, layers: int, t: int, p
                 f"{percent}% of peak"),
         model=Model(layers, hidden, heads, 2048, 51200, tied_embeddings=True, dropout=True,
                     name=f"GPT {billions}B"),
-        cluster=Cluster.dgx_a100(gpus),
-        layout=dict(d=d, t=t, p=p, m=batch // d, global_batch=batch, recompute=True,
-                    sequence_parallel=False),
+        hardware=Hardware.dgx_a100(gpus),
+        layout=Layout(dp=d, tp=t, pp=p),
+        settings=dict(m=batch // d, global_batch=batch, recompute=True,
+                      sequence_parallel=False),
         metric="hfu", reported=percent / 100, reported_tflops_per_device=tflops,
         assumed=_MEGATRON_ASSUMED, reported_params=float(billions))
 
@@ -92,9 +96,10 @@ def _llama_row(gpus: int, dp: int, batch_per_dp: int, tflops: int, percent: int
         source=(f"{_LLAMA}: {gpus} GPUs, TP 8, CP 1, PP 16, DP {dp}, seq 8192, batch/DP "
                 f"{batch_per_dp}, {tflops} TFLOPs/GPU, {percent}% BF16 MFU"),
         model=_LLAMA_405B,
-        cluster=Cluster.dgx_h100(gpus),
-        layout=dict(d=dp, t=8, p=16, m=batch_per_dp, global_batch=dp * batch_per_dp, zero=2,
-                    recompute="selective"),
+        hardware=Hardware.dgx_h100(gpus),
+        layout=Layout(dp=dp, tp=8, pp=16),
+        settings=dict(m=batch_per_dp, global_batch=dp * batch_per_dp, zero=2,
+                      recompute="selective"),
         metric="mfu", reported=percent / 100, reported_tflops_per_device=tflops,
         assumed=_LLAMA_ASSUMED)
 

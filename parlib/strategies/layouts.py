@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parlib.cost import Cluster, Model, estimate
+from parlib.cost import Hardware, Layout, Model, estimate
 from parlib.cost.estimate import Estimate, check_layout
 from parlib.cost.model import BACKWARD_PER_FORWARD
 from parlib.measure.emulation import OVERRUN_SLACK, PacedCost, SlowLink, StageCost
@@ -59,8 +59,11 @@ def make_adam(params: Sequence[torch.Tensor] | Any) -> torch.optim.Optimizer:
 
 def layout_name(layout: dict[str, int]) -> str:
     """The layout named by its axes bigger than one: "t=2 x d=2", "p=4", ..."""
-    parts = [f"{k}={layout[k]}" for k in ("t", "p", "d") if layout[k] > 1]
-    return " x ".join(parts) or "one device"
+    return str(_layout(layout))
+
+
+def _layout(lay: dict[str, int]) -> Layout:
+    return Layout(dp=lay["d"], tp=lay["t"], pp=lay["p"])
 
 
 def _check_layouts(layouts: Sequence[dict[str, int]], world_size: int, cfg: ModelConfig,
@@ -73,7 +76,7 @@ def _check_layouts(layouts: Sequence[dict[str, int]], world_size: int, cfg: Mode
             raise ValueError(f"{layout_name(lay)}: d x t x p = "
                              f"{lay['d'] * lay['t'] * lay['p']}, not the {world_size} ranks")
         try:  # the cost model's rules: heads, layers and batch divide evenly
-            check_layout(model, world_size, d=lay["d"], t=lay["t"], p=lay["p"], m=lay["m"],
+            check_layout(model, world_size, _layout(lay), m=lay["m"],
                          global_batch=global_batch)
         except ValueError as err:
             raise ValueError(f"{layout_name(lay)}: {err}") from None
@@ -244,12 +247,12 @@ def compute_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repea
     return flops / statistics.median(seconds)
 
 
-def predict(layouts: Sequence[dict[str, int]], cluster: Cluster, *,
+def predict(layouts: Sequence[dict[str, int]], cluster: Hardware, *,
             cfg: ModelConfig | None = None, global_batch: int = 8) -> list[Estimate]:
     """The cost model's estimate of each layout as this experiment runs it: fp32, Adam,
     no ZeRO, no recomputation, no sequence parallelism, the sync after backward."""
     model = Model.from_config(cfg or ModelConfig())
-    return [estimate(model, cluster, d=lay["d"], t=lay["t"], p=lay["p"], m=lay["m"],
+    return [estimate(model, cluster, _layout(lay), m=lay["m"],
                      global_batch=global_batch, mixed_precision=False,
                      sequence_parallel=False, dp_overlap=False) for lay in layouts]
 

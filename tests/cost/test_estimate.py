@@ -3,18 +3,18 @@ things, and a clear error for every impossible input."""
 
 import pytest
 
-from parlib.cost import Cluster, Link, Model, estimate
-from parlib.cost.estimate import MEMORY_PARTS, STEP_PARTS
+from parlib.cost import Hardware, Layout, Link, Model, estimate
+from parlib.cost.estimate import MEMORY_PARTS, STEP_PARTS, check_layout
 
 # Round numbers to work by hand: 4 devices in nodes of 2, 1 GFLOP/s each,
 # 1 us + 1 GB/s inside a node, 10 us + 100 MB/s between nodes.
 TOY = Model(4, 8, 2, 4, 16)  # L=4, h=8, a=2, s=4, V=16, f=32; 3808 parameters
-TOY_CLUSTER = Cluster(4, 2, 1e9, 1e9, Link(1e-6, 1e9), Link(1e-5, 1e8))
+TOY_HW = Hardware(4, 2, 1e9, 1e9, Link(1e-6, 1e9), Link(1e-5, 1e8))
 
 
 def test_hand_worked_layout():
     # d=2, t=2, p=1, m=2, global batch 8 -> microbatch b = 2; fp32 throughout.
-    est = estimate(TOY, TOY_CLUSTER, d=2, t=2, p=1, m=2, global_batch=8,
+    est = estimate(TOY, TOY_HW, Layout(dp=2, tp=2), m=2, global_batch=8,
                    mixed_precision=False)
     assert TOY.n_params == 3808 and est.micro_batch == 2
     assert est.links == {"tp": "intra-node", "dp": "inter-node", "pp": "none"}
@@ -46,34 +46,52 @@ def test_hand_worked_layout():
 
 
 def test_sync_after_backward_hides_nothing():
-    kw = dict(d=2, t=2, p=1, m=2, global_batch=8, mixed_precision=False)
-    overlapped = estimate(TOY, TOY_CLUSTER, **kw)
-    after = estimate(TOY, TOY_CLUSTER, dp_overlap=False, **kw)
+    kw = dict(m=2, global_batch=8, mixed_precision=False)
+    overlapped = estimate(TOY, TOY_HW, Layout(dp=2, tp=2), **kw)
+    after = estimate(TOY, TOY_HW, Layout(dp=2, tp=2), dp_overlap=False, **kw)
     assert after.time["dp_sync_hidden"] == 0
     assert after.time["dp_sync"] == after.time["dp_sync_total"] == pytest.approx(96.16e-6)
     assert after.step_time == pytest.approx(overlapped.step_time + 79.36e-6)
 
 
 def test_parts_add_up_and_dicts_are_complete():
-    est = estimate(TOY, TOY_CLUSTER, d=1, t=2, p=2, m=4, global_batch=8, zero=0,
+    est = estimate(TOY, TOY_HW, Layout(tp=2, pp=2), m=4, global_batch=8, zero=0,
                    recompute="selective")
     assert set(MEMORY_PARTS) == set(est.memory)
     assert set(STEP_PARTS) < set(est.time)
     assert est.step_time == pytest.approx(sum(est.time[k] for k in STEP_PARTS))
-    assert (est.d, est.t, est.p, est.m, est.v, est.zero, est.recompute) == (
-        1, 2, 2, 4, 1, 0, "selective")
+    assert (est.layout, est.m, est.v, est.zero, est.recompute) == (
+        Layout(tp=2, pp=2), 4, 1, 0, "selective")
     assert est.reason.startswith("fits")
+    assert str(est).startswith("t=2 x p=2 m=4, selective recompute: ")
+
+
+def test_a_mapping_of_axis_sizes_is_taken_as_a_layout():
+    as_layout = estimate(TOY, TOY_HW, Layout(dp=2, tp=2), m=2, global_batch=8)
+    as_dict = estimate(TOY, TOY_HW, {"dp": 2, "tp": 2}, m=2, global_batch=8)
+    assert as_dict.layout == as_layout.layout and as_dict.time == as_layout.time
+    with pytest.raises(ValueError, match=r"must be a Layout \(e.g. Layout\(dp=2, tp=2\)\)"):
+        estimate(TOY, TOY_HW, (2, 2, 1), m=2, global_batch=8)
+    with pytest.raises(ValueError, match=r"layout must be a parlib.cost.Layout"):
+        check_layout(TOY, 4, {"dp": 4}, m=1, global_batch=4)
+    with pytest.raises(ValueError, match="unknown axis 'cp'"):
+        estimate(TOY, TOY_HW, {"cp": 4}, m=1, global_batch=4)
 
 
 BIG = Model(32, 4096, 32, 4096, 32000)  # a GPT-style 6.6B model
-H100 = Cluster.dgx_h100(16)
+H100 = Hardware.dgx_h100(16)
+BASE = dict(dp=2, tp=8, pp=1, m=8, global_batch=64)
+
+
+def split(kw):
+    """(Layout, the other settings) of BASE updated with kw."""
+    settings = {**BASE, **kw}
+    return Layout(**{a: settings.pop(a) for a in ("dp", "tp", "pp")}), settings
 
 
 def run(**kw):
-    layout = dict(d=2, t=8, p=1, m=8, global_batch=64)
-    layout.update(kw)
-    return estimate(BIG, H100.with_(n_devices=layout["d"] * layout["t"] * layout["p"]),
-                    **layout)
+    layout, settings = split(kw)
+    return estimate(BIG, H100.with_(n_devices=layout.world), layout, **settings)
 
 
 def test_each_knob_moves_memory_and_time_the_right_way():
@@ -90,17 +108,18 @@ def test_each_knob_moves_memory_and_time_the_right_way():
     assert base.time["compute"] < sel.time["compute"] < full.time["compute"]
     assert base.mfu > full.mfu and full.hfu > full.mfu
     # more microbatches: smaller bubble; interleaving: smaller still, more in flight
-    p4 = [run(t=2, p=4, m=m) for m in (4, 16)]
+    p4 = [run(tp=2, pp=4, m=m) for m in (4, 16)]
     assert p4[0].time["pp_bubble"] > p4[1].time["pp_bubble"] > 0
-    inter = run(t=2, p=4, m=16, v=2)
+    inter = run(tp=2, pp=4, m=16, v=2)
+    assert inter.name == "t=2 x d=2 x p=4 v=2" and p4[1].name == str(p4[1].layout)
     assert inter.time["pp_bubble"] < p4[1].time["pp_bubble"]
     assert inter.memory["pipeline_in_flight"] > p4[1].memory["pipeline_in_flight"]
     # a pipeline holds min(p, m) microbatches on its first stage
     assert p4[1].stage == "first"
     assert p4[1].memory["pipeline_in_flight"] == pytest.approx(3 * p4[1].memory["activations"])
     # TP across nodes costs more than inside one
-    assert run(d=1, t=16).links["tp"] == "inter-node"
-    assert run(d=1, t=16).time["tp_comm"] > 2 * run(d=1, t=8).time["tp_comm"]
+    assert run(dp=1, tp=16).links["tp"] == "inter-node"
+    assert run(dp=1, tp=16).time["tp_comm"] > 2 * run(dp=1, tp=8).time["tp_comm"]
 
 
 def test_sequence_parallel_splits_what_tensor_parallelism_keeps_whole():
@@ -110,43 +129,43 @@ def test_sequence_parallel_splits_what_tensor_parallelism_keeps_whole():
 
 
 def test_too_big_does_not_fit_and_says_why():
-    est = estimate(BIG, Cluster.dgx_h100(1, memory_bytes=16e9), d=1, t=1, p=1, m=1,
+    est = estimate(BIG, Hardware.dgx_h100(1, memory_bytes=16e9), Layout(), m=1,
                    global_batch=1)
     assert not est.fits
     assert est.reason.startswith("does not fit") and "optimizer" in est.reason
 
 
-def test_wrong_kinds_of_model_and_cluster_are_named():
+def test_wrong_kinds_of_model_and_hardware_are_named():
     from parlib.model import ModelConfig
 
     with pytest.raises(ValueError, match=r"Model.from_config\(cfg\)"):
-        estimate(ModelConfig(), TOY_CLUSTER, d=4, t=1, p=1, m=1, global_batch=4)
-    with pytest.raises(ValueError, match="parlib.cost.Cluster describes hardware"):
-        estimate(TOY, object(), d=4, t=1, p=1, m=1, global_batch=4)
+        estimate(ModelConfig(), TOY_HW, Layout(dp=4), m=1, global_batch=4)
+    with pytest.raises(ValueError, match="parlib.cost.Hardware describes the machines"):
+        estimate(TOY, object(), Layout(dp=4), m=1, global_batch=4)
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(d=3), r"d x t x p = 3 x 8 x 1 = 24, but the cluster has 16 devices"),
-    (dict(d=16, t=1, p=1, global_batch=48, m=1), None),  # valid: control case
-    (dict(d=1, t=16, m=1, global_batch=8), None),
-    (dict(d=0), r"d must be a positive integer, got 0"),
+    (dict(dp=3), r"the layout t=8 x d=3 is 24 devices, but the hardware has 16"),
+    (dict(dp=16, tp=1, pp=1, global_batch=48, m=1), None),  # valid: control case
+    (dict(dp=1, tp=16, m=1, global_batch=8), None),
+    (dict(dp=0), r"layout size dp=0 must be a whole number >= 1"),
     (dict(m=-1), r"m must be a positive integer"),
     (dict(global_batch=0), r"global_batch must be a positive integer"),
-    (dict(t=3, d=1, p=1, n=3), r"t = 3 does not divide the model's 32 attention heads"),
-    (dict(t=1, p=3, d=1, n=3), r"p = 3 does not divide the model's 32 layers"),
+    (dict(tp=3, dp=1, pp=1, n=3), r"t = 3 does not divide the model's 32 attention heads"),
+    (dict(tp=1, pp=3, dp=1, n=3), r"p = 3 does not divide the model's 32 layers"),
     (dict(global_batch=60), r"global_batch = 60 is not divisible by d x m = 2 x 8 = 16"),
     (dict(zero=4), r"zero must be 0, 1, 2 or 3"),
     (dict(recompute="yes"), r"recompute must be False, 'selective' or True"),
     (dict(v=2), r"v = 2 model chunks per rank need a pipeline"),
-    (dict(t=2, p=4, v=3), r"v = 3 does not divide the 8 layers per stage"),
-    (dict(t=2, p=4, v=2, m=2), r"needs m a multiple of p"),
+    (dict(tp=2, pp=4, v=3), r"v = 3 does not divide the 8 layers per stage"),
+    (dict(tp=2, pp=4, v=2, m=2), r"needs m a multiple of p"),
 ])
 def test_impossible_inputs_are_named(kw, message):
-    layout = dict(d=2, t=8, p=1, m=8, global_batch=64)
-    layout.update(kw)
-    cluster = H100.with_(n_devices=layout.pop("n", 16))
+    hardware = H100.with_(n_devices=kw.pop("n", 16))
     if message is None:
-        assert estimate(BIG, cluster, **layout).step_time > 0
+        layout, settings = split(kw)
+        assert estimate(BIG, hardware, layout, **settings).step_time > 0
         return
     with pytest.raises(ValueError, match=message):
-        estimate(BIG, cluster, **layout)
+        layout, settings = split(kw)
+        estimate(BIG, hardware, layout, **settings)

@@ -147,11 +147,11 @@ def test_flops_per_token():
 def test_flops_match_megatron_formula_with_recomputation():
     """Narayanan et al. 2021 count 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) FLOPs per step
     with activation recomputation; our model FLOPs plus the recomputed forward agree."""
-    from parlib.cost import Cluster, estimate
+    from parlib.cost import Hardware, Layout, estimate
 
     gpt = Model(96, 12288, 96, 2048, 51200, tied_embeddings=True)
-    est = estimate(gpt, Cluster.dgx_a100(1024), d=16, t=8, p=8, m=96, global_batch=1536,
-                   recompute=True)
+    est = estimate(gpt, Hardware.dgx_a100(1024), Layout(dp=16, tp=8, pp=8), m=96,
+                   global_batch=1536, recompute=True)
     b, s, layers, h, v = 1536, 2048, 96, 12288, 51200
     megatron = 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
     assert est.hardware_flops == pytest.approx(megatron, rel=1e-12)

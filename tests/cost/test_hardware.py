@@ -1,10 +1,10 @@
-"""Link and Cluster: validation, presets, placement of groups, and measured_here."""
+"""Link and Hardware: validation, presets, placement of groups, and measured_here."""
 
 import math
 
 import pytest
 
-from parlib.cost import Cluster, Link, collective_time, fit_alpha_beta
+from parlib.cost import Hardware, Link, collective_time, fit_alpha_beta
 
 
 def test_link_and_cluster_validate():
@@ -15,28 +15,28 @@ def test_link_and_cluster_validate():
         Link(-1.0, 1e9)
     fast, slow = Link(1e-6, 1e11), Link(1e-5, 1e10)
     with pytest.raises(ValueError, match="whole number of nodes"):
-        Cluster(12, 8, 80e9, 1e15, fast, slow)
+        Hardware(12, 8, 80e9, 1e15, fast, slow)
     with pytest.raises(ValueError, match="n_devices must be a positive integer"):
-        Cluster(0, 8, 80e9, 1e15, fast, slow)
+        Hardware(0, 8, 80e9, 1e15, fast, slow)
     with pytest.raises(ValueError, match="compute_efficiency"):
-        Cluster(8, 8, 80e9, 1e15, fast, slow, compute_efficiency=1.5)
+        Hardware(8, 8, 80e9, 1e15, fast, slow, compute_efficiency=1.5)
     with pytest.raises(ValueError, match="intra_node must be a Link"):
-        Cluster(8, 8, 80e9, 1e15, (1e-6, 1e11), slow)
+        Hardware(8, 8, 80e9, 1e15, (1e-6, 1e11), slow)
 
 
 def test_presets_carry_the_datasheet_figures():
-    a100, h100, h200 = Cluster.dgx_a100(64), Cluster.dgx_h100(64), Cluster.dgx_h200(64)
+    a100, h100, h200 = Hardware.dgx_a100(64), Hardware.dgx_h100(64), Hardware.dgx_h200(64)
     assert (a100.peak_flops, a100.memory_bytes, a100.devices_per_node) == (312e12, 80e9, 8)
     assert (a100.intra_node.bandwidth, a100.inter_node.bandwidth) == (300e9, 25e9)
     assert (h100.peak_flops, h100.memory_bytes) == (989.5e12, 80e9)
     assert (h100.intra_node.bandwidth, h100.inter_node.bandwidth) == (450e9, 50e9)
     assert h200.memory_bytes == 141e9 and h200.peak_flops == h100.peak_flops
-    assert a100.n_nodes == 8 and Cluster.dgx_h100(4).n_nodes == 1
-    assert Cluster.dgx_h100(16, memory_bytes=40e9).memory_bytes == 40e9
+    assert a100.n_nodes == 8 and Hardware.dgx_h100(4).n_nodes == 1
+    assert Hardware.dgx_h100(16, memory_bytes=40e9).memory_bytes == 40e9
 
 
 def test_groups_of_adjacent_ranks_stay_in_a_node_when_they_fit():
-    c = Cluster.dgx_h100(64)
+    c = Hardware.dgx_h100(64)
     assert c.link_for(1) is c.link_for(8) is c.intra_node
     assert c.link_for(16) is c.inter_node
     assert c.link_for(3) is c.inter_node  # blocks of 3 straddle nodes of 8
@@ -47,14 +47,14 @@ def test_measured_here_recovers_the_link_from_an_all_reduce_fit():
     alpha, beta, n = 150e-6, 2e-9, 4  # a laptop's loopback: 150 us, 0.5 GB/s
     sizes = [2**k for k in range(10, 23)]
     seconds = [collective_time("all_reduce", x, n, alpha, beta) for x in sizes]
-    here = Cluster.measured_here(4, allreduce_fit=fit_alpha_beta(sizes, seconds), fit_ranks=n,
+    here = Hardware.measured_here(4, allreduce_fit=fit_alpha_beta(sizes, seconds), fit_ranks=n,
                                  flops_per_second=2e10)
     assert here.intra_node.alpha == pytest.approx(alpha, rel=1e-6)
     assert here.intra_node.bandwidth == pytest.approx(1 / beta, rel=1e-6)
     assert here.inter_node == here.intra_node and here.devices_per_node == 4
     assert here.peak_flops == 2e10 and math.isinf(here.memory_bytes)
     with pytest.raises(ValueError, match="slope"):
-        Cluster.measured_here(4, allreduce_fit=(1e-4, -1e-9), fit_ranks=4, flops_per_second=1e9)
+        Hardware.measured_here(4, allreduce_fit=(1e-4, -1e-9), fit_ranks=4, flops_per_second=1e9)
 
 
 def test_slowed_link_adds_times():

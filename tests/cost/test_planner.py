@@ -1,10 +1,10 @@
-"""plan(): the layouts it picks where the answer is obvious, and its speed at scale."""
+"""best_layouts(): the layouts it picks where the answer is obvious, and its speed at scale."""
 
 import time
 
 import pytest
 
-from parlib.cost import Cluster, Link, Model, estimate, plan
+from parlib.cost import Hardware, Layout, Link, Model, best_layouts, estimate
 from parlib.cost.estimate import STEP_PARTS
 
 GPT2_SMALL = Model(12, 768, 12, 1024, 50257, name="GPT-2 small")
@@ -18,84 +18,85 @@ def test_small_models_on_big_devices_run_pure_data_parallel():
 
     tiny = Model.from_config(ModelConfig())
     for model, batch in ((tiny, 512), (GPT2_SMALL, 512)):
-        best = plan(model, Cluster.dgx_h100(8), global_batch=batch)[0]
-        assert (best.d, best.t, best.p) == (8, 1, 1), best
-        assert best.reason.startswith("t = 1, p = 1, d = 8: pure data parallelism")
+        best = best_layouts(model, Hardware.dgx_h100(8), global_batch=batch)[0]
+        assert best.layout == Layout(dp=8), best
+        assert best.reason.startswith("d=8: pure data parallelism")
 
 
 def test_a_huge_model_splits_tensors_inside_a_node_then_pipelines():
-    ranked = plan(GPT_1T, Cluster.dgx_h100(512), global_batch=512)
+    ranked = best_layouts(GPT_1T, Hardware.dgx_h100(512), global_batch=512)
     assert ranked, "a 1T model fits on 512 H100s"
     best = ranked[0]
-    assert best.t == 8 and best.links["tp"] == "intra-node" and best.p > 1, best
+    assert best.layout.tp == 8 and best.links["tp"] == "intra-node" and best.layout.pp > 1, best
     assert "kept in one node" in best.reason
     # and the weights alone would not fit one node's worth of devices unsplit
-    assert not estimate(GPT_1T, Cluster.dgx_h100(8), d=8, t=1, p=1, m=1, global_batch=8,
+    assert not estimate(GPT_1T, Hardware.dgx_h100(8), Layout(dp=8), m=1, global_batch=8,
                         zero=3, recompute=True).fits
 
 
 def test_when_nothing_smaller_fits_the_reason_says_the_weights_need_splitting():
     # 7B on 14 GB devices: even ZeRO-3 over 8 with full recomputation does not fit
-    ranked = plan(LLAMA_7B, Cluster.dgx_h100(8, memory_bytes=14e9), global_batch=8)
-    assert ranked and all(e.t * e.p == 8 for e in ranked)
-    assert ranked[0].t == 8
-    assert ranked[0].reason.startswith("t = 8, p = 1, d = 1: the weights need 8-way splitting "
-                                       "to fit; kept in one node")
-    assert not estimate(LLAMA_7B, Cluster.dgx_h100(8, memory_bytes=14e9), d=8, t=1, p=1, m=1,
-                        global_batch=8, zero=3, recompute=True).fits
+    ranked = best_layouts(LLAMA_7B, Hardware.dgx_h100(8, memory_bytes=14e9), global_batch=8)
+    assert ranked and all(e.layout.tp * e.layout.pp == 8 for e in ranked)
+    assert ranked[0].layout == Layout(tp=8)
+    assert ranked[0].reason.startswith("t=8: the weights need 8-way splitting to fit; "
+                                       "kept in one node")
+    assert not estimate(LLAMA_7B, Hardware.dgx_h100(8, memory_bytes=14e9), Layout(dp=8),
+                        m=1, global_batch=8, zero=3, recompute=True).fits
 
 
 def test_a_slow_inter_node_link_keeps_gradient_traffic_off_it():
-    fast = Cluster.dgx_h100(64).with_(inter_node=Link(10e-6, 400e9))
-    slow = Cluster.dgx_h100(64).with_(inter_node=Link(10e-6, 1e9))
-    on_fast = plan(LLAMA_7B, fast, global_batch=1024)[0]
-    on_slow = plan(LLAMA_7B, slow, global_batch=1024)[0]
-    assert (on_fast.d, on_fast.t, on_fast.p) == (64, 1, 1), on_fast  # links cheap: all DP
-    assert on_slow.d < on_fast.d, on_slow
+    fast = Hardware.dgx_h100(64).with_(inter_node=Link(10e-6, 400e9))
+    slow = Hardware.dgx_h100(64).with_(inter_node=Link(10e-6, 1e9))
+    on_fast = best_layouts(LLAMA_7B, fast, global_batch=1024)[0]
+    on_slow = best_layouts(LLAMA_7B, slow, global_batch=1024)[0]
+    assert on_fast.layout == Layout(dp=64), on_fast  # links cheap: all DP
+    assert on_slow.layout.dp < on_fast.layout.dp, on_slow
     dp_across = [e.bytes_sent["dp"] if e.links["dp"] == "inter-node" else 0.0
                  for e in (on_fast, on_slow)]
     assert dp_across[1] < dp_across[0] / 4
     assert on_slow.inter_node_bytes < on_fast.inter_node_bytes / 4
 
 
-def test_plan_returns_fitting_layouts_fastest_first_each_with_a_reason():
-    ranked = plan(LLAMA_7B, Cluster.dgx_h100(64), global_batch=1024, top=7)
+def test_best_layouts_returns_fitting_layouts_fastest_first_each_with_a_reason():
+    ranked = best_layouts(LLAMA_7B, Hardware.dgx_h100(64), global_batch=1024, top=7)
     assert 1 < len(ranked) <= 7
     assert all(e.fits for e in ranked)
     times = [e.step_time for e in ranked]
     assert times == sorted(times)
-    assert len({(e.d, e.t, e.p) for e in ranked}) == len(ranked)  # distinct layouts
+    assert len({e.layout for e in ranked}) == len(ranked)  # distinct layouts
     for e in ranked:
-        assert e.reason.startswith(f"t = {e.t}, p = {e.p}, d = {e.d}: ")
+        assert e.reason.startswith(f"{e.layout}: ")
         assert "\n" not in e.reason
         assert any(k in e.reason for k in STEP_PARTS)
 
 
 def test_nothing_fits_gives_an_empty_plan_and_bad_input_an_error():
-    assert plan(GPT_1T, Cluster.dgx_h100(8), global_batch=8) == []
+    assert best_layouts(GPT_1T, Hardware.dgx_h100(8), global_batch=8) == []
     with pytest.raises(ValueError, match="global_batch must be a positive integer"):
-        plan(GPT2_SMALL, Cluster.dgx_h100(8), global_batch=0)
+        best_layouts(GPT2_SMALL, Hardware.dgx_h100(8), global_batch=0)
     with pytest.raises(ValueError, match="top must be >= 1"):
-        plan(GPT2_SMALL, Cluster.dgx_h100(8), global_batch=8, top=0)
+        best_layouts(GPT2_SMALL, Hardware.dgx_h100(8), global_batch=8, top=0)
 
 
-def test_plan_for_a_trillion_parameters_on_4096_devices_is_fast():
-    cluster = Cluster.dgx_h100(4096)
+def test_best_layouts_for_a_trillion_parameters_on_4096_devices_is_fast():
+    hardware = Hardware.dgx_h100(4096)
     start = time.perf_counter()
-    ranked = plan(GPT_1T, cluster, global_batch=4096)
+    ranked = best_layouts(GPT_1T, hardware, global_batch=4096)
     seconds = time.perf_counter() - start
-    print(f"\nplan(1T params, 4096 H100, global batch 4096): {seconds:.3f} s, "
+    print(f"\nbest_layouts(1T params, 4096 H100, global batch 4096): {seconds:.3f} s, "
           f"best {ranked[0]}")
-    assert ranked and ranked[0].t == 8
+    assert ranked and ranked[0].layout.tp == 8
     assert seconds < 3.0  # target 1 s; generous for a loaded CI machine
 
 
 def test_every_layout_the_planner_tries_is_one_estimate_accepts():
-    from parlib.cost.planner import layouts
+    from parlib.cost import candidate_layouts
 
-    cluster = Cluster.dgx_h100(64)
-    tried = list(layouts(LLAMA_7B, cluster, 256))
+    hardware = Hardware.dgx_h100(64)
+    tried = list(candidate_layouts(LLAMA_7B, hardware, 256))
     assert len(tried) > 50
-    for d, t, p, m, v in tried:  # would raise ValueError on an impossible layout
-        estimate(LLAMA_7B, cluster, d=d, t=t, p=p, m=m, v=v, global_batch=256)
-    assert any(v > 1 for *_, v in tried) and any(p == 1 for _, _, p, _, _ in tried)
+    for layout, m, v in tried:  # would raise ValueError on an impossible layout
+        estimate(LLAMA_7B, hardware, layout, m=m, v=v, global_batch=256)
+    assert any(v > 1 for *_, v in tried) and any(lay.pp == 1 for lay, _, _ in tried)
+    assert len(set(tried)) == len(tried)

@@ -25,13 +25,13 @@ def test_published_run_fits_and_utilisation_is_in_band(run):
     predicted = run.predicted(est)
     print(f"\n{run.name}: predicted {run.metric.upper()} {predicted:.1%} at peak compute, "
           f"reported {run.reported:.0%} ({run.reported_tflops_per_device} TFLOP/s per GPU); "
-          f"{est.memory_total / 1e9:.1f} GB of {est.cluster.memory_bytes / 1e9:.0f} GB\n"
+          f"{est.memory_total / 1e9:.1f} GB of {est.hardware.memory_bytes / 1e9:.0f} GB\n"
           f"  source: {run.source}\n  assumed: {run.assumed}")
     if run.reported_params is not None:  # our parameter count reproduces the table's
         assert round(run.model.n_params / 1e9, 1) == run.reported_params
     assert est.fits, est.reason
-    assert est.cluster.n_devices == est.d * est.t * est.p
+    assert est.hardware.n_devices == est.layout.world == run.layout.world
     assert BAND[0] <= run.reported / predicted <= BAND[1]
     # the paper's own per-GPU rate is its utilisation of the same peak we use
-    assert run.reported_tflops_per_device * 1e12 / est.cluster.peak_flops == pytest.approx(
+    assert run.reported_tflops_per_device * 1e12 / est.hardware.peak_flops == pytest.approx(
         run.reported, abs=0.01)

@@ -9,7 +9,7 @@ import parlib.cost
 
 def test_import_in_a_fresh_interpreter_loads_no_torch():
     code = ("import sys, parlib.cost, parlib.cost.published; "
-            "from parlib.cost import Model, Cluster, Link, estimate, plan; "
+            "from parlib.cost import Model, Hardware, Layout, Link, estimate, best_layouts; "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)

@@ -11,7 +11,7 @@ import torch
 
 import parlib
 from parlib import verify
-from parlib.cost import Cluster, Link, Model
+from parlib.cost import Hardware, Link, Model
 from parlib.measure.emulation import PacedCost, StageCost
 from parlib.model import ModelConfig
 from parlib.strategies import layouts as L
@@ -76,8 +76,8 @@ def test_measured_takes_the_slowest_rank_per_step():
 def test_two_rank_layouts_match_one_device_and_take_their_emulated_time():
     reference = verify.reference_step(SMALL)
     rate = 2e9
-    cluster = Cluster.measured_here(2, allreduce_fit=(1e-4, 1e-9), fit_ranks=2,
-                                    flops_per_second=rate)
+    cluster = Hardware.measured_here(2, allreduce_fit=(1e-4, 1e-9), fit_ranks=2,
+                                     flops_per_second=rate)
     results = parlib.launch(L.rank_time_layouts, TWO_RANKS, cfg=SMALL, flops_per_second=rate,
                             reference=reference, tolerance=(verify.RTOL, verify.ATOL),
                             repeats=2, warmup=0, world_size=2, timeout=120)
@@ -107,8 +107,8 @@ def test_a_wrong_reference_is_rejected():
 
 
 def test_slowed_cluster_prediction_uses_both_links():
-    cluster = Cluster.measured_here(4, allreduce_fit=(1e-3, 1e-9), fit_ranks=4,
-                                    flops_per_second=1e9)
+    cluster = Hardware.measured_here(4, allreduce_fit=(1e-3, 1e-9), fit_ranks=4,
+                                     flops_per_second=1e9)
     slowed = cluster.slowed_by(0.0, 1e-7)
     assert slowed.inter_node == slowed.intra_node == Link(cluster.intra_node.alpha,
                                                           1 / (cluster.intra_node.beta + 1e-7))

@@ -1,0 +1,225 @@
+"""A layout: how many ways each axis of parallelism splits the work, and how ranks are numbered.
+
+The axes are data (:data:`AXES`), listed in **rank order**, slowest-varying first; the last
+one varies fastest (row-major, like a C array of shape (pp, dp, tp))::
+
+    rank = (pp_index * dp + dp_index) * tp + tp_index
+
+Why this order:
+
+- **tp fastest**: the ranks of a tensor-parallel group are adjacent (0..t-1, t..2t-1, ...).
+  Launchers number the devices of one node consecutively, so a tensor-parallel group lands
+  inside one node, on its fast links: tensor parallelism talks at every layer.
+- **pp slowest**: consecutive pipeline stages are dp x tp ranks apart, so when a node is full
+  the axis that crosses nodes is the one that sends least (one activation per microbatch
+  per boundary). torchtitan (``["pp", "dp", "tp"]``) and Megatron-LM (tp, dp, pp from
+  fastest to slowest) use the same order.
+
+Room for more axes: context parallelism (cp) goes between dp and tp, as torchtitan orders
+them (pp, dp, cp, tp); expert parallelism (ep) gets no place of its own in the order, its
+groups borrow the ranks of dp x cp. Adding one is an entry in :data:`AXES`, its formulas in
+this package and its strategy file.
+
+A :class:`Layout` is the arithmetic of that numbering (no processes, no torch):
+coordinates of a rank, the rank at coordinates, the groups of an axis, pipeline neighbours,
+and how many consecutive ranks a group spans (which decides its link).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of parallelism: ``name`` as in code ("dp"), ``symbol`` as in formulas ("d"),
+    ``title`` as in prose ("data"), what it ``splits``, and whether it is the pipeline (its
+    neighbours send activations to each other)."""
+
+    name: str
+    symbol: str
+    title: str
+    splits: str
+    pipeline: bool = False
+
+
+# Slowest-varying first: the rank order is this tuple's order, written nowhere else.
+AXES: tuple[Axis, ...] = (
+    Axis("pp", "p", "pipeline", "the layers, into consecutive stages", pipeline=True),
+    Axis("dp", "d", "data", "the batch; every rank keeps a whole copy of its part of the model"),
+    Axis("tp", "t", "tensor", "each layer's weight matrices, by rows or columns"),
+)
+AXIS_NAMES: tuple[str, ...] = tuple(a.name for a in AXES)
+_BY_NAME = {a.name: a for a in AXES}
+_INDEX = {a.name: i for i, a in enumerate(AXES)}
+
+
+def axis(name: str) -> Axis:
+    """The :class:`Axis` called ``name``; a ValueError listing the axes for any other name."""
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown axis {name!r}; the axes are {', '.join(AXIS_NAMES)}"
+                         ) from None
+
+
+def _size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"layout size {name}={value!r} must be a whole number >= 1")
+    return value
+
+
+class Layout(Mapping[str, int]):
+    """How many ways each axis splits the work: ``Layout(dp=2, tp=2)`` (missing axes are 1).
+
+    A read-only mapping from axis name to size, iterated in rank order (slowest first);
+    ``layout.tp`` is ``layout["tp"]``. ``str(layout)`` names it by its axes bigger than one,
+    fastest first: "t=2 x d=2"; "one device" when all are 1.
+    """
+
+    __slots__ = ("_sizes",)
+
+    def __init__(self, **sizes: int) -> None:
+        for name in sizes:
+            axis(name)
+        object.__setattr__(self, "_sizes", tuple(_size(a, sizes.get(a, 1)) for a in AXIS_NAMES))
+
+    @classmethod
+    def of(cls, layout: Layout | Mapping[str, int]) -> Layout:
+        """``layout`` itself, or a Layout of a mapping from axis name to size."""
+        if isinstance(layout, Layout):
+            return layout
+        if isinstance(layout, Mapping):
+            return cls(**layout)
+        raise ValueError(f"a layout must be a Layout (e.g. Layout(dp=2, tp=2)) or a mapping "
+                         f"from axis name to size, got {type(layout).__name__}")
+
+    # ---- the mapping
+    def __getitem__(self, name: str) -> int:
+        if name not in _BY_NAME:  # a KeyError, as a mapping's contract says, that names them
+            raise KeyError(f"unknown axis {name!r}; the axes are {', '.join(AXIS_NAMES)}")
+        return self._sizes[_INDEX[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in _BY_NAME
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(AXIS_NAMES)
+
+    def __len__(self) -> int:
+        return len(AXIS_NAMES)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("a Layout is read-only: make a new one, e.g. layout.with_(tp=4)")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self._sizes == other._sizes
+
+    def __hash__(self) -> int:
+        return hash(self._sizes)
+
+    def __reduce__(self) -> tuple:  # pickles (to ranks) as its sizes: it has no __dict__
+        return (_from_sizes, (dict(self),))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{a}={n}" for a, n in self.items() if n > 1)
+        return f"Layout({inner})"
+
+    def __str__(self) -> str:
+        parts = [f"{axis(a).symbol}={self[a]}" for a in reversed(AXIS_NAMES) if self[a] > 1]
+        return " x ".join(parts) or "one device"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+    def with_(self, **changes: int) -> Layout:
+        """A copy with some sizes changed: ``layout.with_(tp=4)``."""
+        return Layout(**{**self, **changes})
+
+    # ---- the numbering
+    @property
+    def world(self) -> int:
+        """The number of ranks: the product of the sizes."""
+        return math.prod(self._sizes)
+
+    def stride(self, name: str) -> int:
+        """How many ranks apart two neighbours along axis ``name`` are: the product of the
+        sizes of the axes that vary faster."""
+        return math.prod(self._sizes[_INDEX[axis(name).name] + 1:])
+
+    def span(self, name: str) -> int:
+        """How many consecutive ranks a block holding whole groups of axis ``name`` covers
+        (size x stride): a group of it lies inside such a block, which starts at a multiple
+        of it. Where the block fits in a node, so does the group."""
+        return self[name] * self.stride(name)
+
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank!r} is outside a layout of {self.world} ranks "
+                             f"({self!r})")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The index of ``rank`` along every axis, keyed in rank order."""
+        self._check_rank(rank)
+        out = {}
+        for name in reversed(AXIS_NAMES):  # peel off the fastest axis first
+            rank, out[name] = divmod(rank, self[name])
+        return {name: out[name] for name in AXIS_NAMES}
+
+    def rank_at(self, coord: Mapping[str, int]) -> int:
+        """The rank at coordinates ``coord`` (axis name -> index; an axis of size 1 may be
+        left out, its only index is 0)."""
+        for name in coord:
+            axis(name)
+        rank = 0
+        for name, n in self.items():
+            if name not in coord and n > 1:
+                raise ValueError(f"coordinates {dict(coord)} lack axis {name!r} (size {n})")
+            i = coord.get(name, 0)
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                raise ValueError(f"{name} index {i!r} is outside [0, {n})")
+            rank = rank * n + i
+        return rank
+
+    def axis_ranks(self, name: str, rank: int) -> list[int]:
+        """The ranks of ``rank``'s group along axis ``name``, in order of their index on it:
+        every rank whose other coordinates equal ``rank``'s."""
+        axis(name)
+        mine = self.coords(rank)
+        return [self.rank_at({**mine, name: i}) for i in range(self[name])]
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group along axis ``name`` (each a list of ranks), ordered by lowest rank."""
+        axis(name)
+        seen: dict[int, list[int]] = {}
+        for r in range(self.world):
+            members = self.axis_ranks(name, r)
+            seen.setdefault(members[0], members)
+        return [seen[k] for k in sorted(seen)]
+
+    def pipeline_neighbours(self, rank: int) -> tuple[int | None, int | None]:
+        """The ranks of the previous and next pipeline stage of ``rank`` (None at the ends):
+        the same index on every other axis, one less / one more on the pipeline's."""
+        name = PIPELINE.name
+        group, i = self.axis_ranks(name, rank), self.coords(rank)[name]
+        return (group[i - 1] if i > 0 else None,
+                group[i + 1] if i < self[name] - 1 else None)
+
+
+def _size_of(i: int) -> property:
+    return property(lambda self: self._sizes[i], doc=f"The size of axis {AXIS_NAMES[i]!r}.")
+
+
+for _i, _name in enumerate(AXIS_NAMES):  # layout.pp, layout.dp, ...: one per axis of the table
+    setattr(Layout, _name, _size_of(_i))
+
+
+def _from_sizes(sizes: dict[str, int]) -> Layout:
+    return Layout(**sizes)
+
+
+PIPELINE: Axis = next(a for a in AXES if a.pipeline)
+
+__all__ = ["AXES", "AXIS_NAMES", "PIPELINE", "Axis", "Layout", "axis"]
