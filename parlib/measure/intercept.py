@@ -119,6 +119,8 @@ OPS: dict[str, OpRule] = {
     "_all_gather_base": OpRule("all_gather", "output_tensor"),
     "gather": OpRule("gather", "tensor"),
     "scatter": OpRule("scatter", "tensor"),
+    # On gloo (torch 2.13) the list form needs equal-sized pieces; the one-tensor form
+    # takes uneven split sizes (tests/measure/test_intercept.py runs both).
     "all_to_all_single": OpRule("all_to_all", "input", _a2a_single_sent),
     "all_to_all": OpRule("all_to_all", "input_tensor_list", _a2a_list_sent),
     "barrier": OpRule("barrier", None),
