@@ -21,6 +21,9 @@ of shape (S,), registered under the parameter's own name). Per unit and step:
 4. when the unit's gradients are ready, :class:`GatherUnit`'s backward reduce-scatters them
    (rank r receives the sum of piece r), divides by N, and hands back fp32 shard gradients.
 
+The root's weights are whole for all of forward (it runs the blocks) and, in backward, from
+the head's backward to the embedding's: make the root small.
+
 Bytes per step: 3 x P x (N-1)/N (two all-gathers, one reduce-scatter;
 :func:`parlib.cost.sharded.zero_sent_bytes_per_step`). ``prefetch=True`` starts the next
 unit's all-gather (async) while this one computes, in forward and in backward.
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -298,6 +300,9 @@ class FSDP(nn.Module):
         backward; every trainable shard gets a gradient (zeros if it had none)."""
         for unit in self.units:
             unit.regathered = None
+            if unit.pending is not None:  # a prefetch nobody used: its weights are stale now
+                unit.pending[1].wait()
+                unit.pending = None
             for s in unit.shards:
                 if s.grad is None:
                     s.grad = torch.zeros_like(s)
@@ -311,14 +316,11 @@ class FSDP(nn.Module):
         full: dict[str, torch.Tensor] = {}
         for unit in self.units:
             prefix = next(n for n, m in self.module.named_modules() if m is unit.module)
-            weights = unit.gather(torch.float32) if unit.shards else []
-            for name, t in zip(unit.names, weights):
+            for name, t in zip(unit.names, unit.gather(torch.float32) if unit.shards else []):
                 full[f"{prefix}.{name}" if prefix else name] = t.clone()
         frozen = dict(self.module.named_parameters())
         return {n: full[n] if n in full else frozen[n].detach().clone() for n in self.full_names}
 
-    def named_shards(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return ((n, p) for n, p in self.module.named_parameters() if p.requires_grad)
 
 
 __all__ = ["COMPUTE_DTYPES", "FSDP", "GatherUnit", "Unit"]
