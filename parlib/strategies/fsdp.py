@@ -102,7 +102,9 @@ class Unit:
         by_rank = out.view(self.owner.world_size, self.total)  # row r: rank r's pieces
         fulls, offset = [], 0
         for shape, numel, size in zip(self.shapes, self.numels, self.sizes):
-            piece = by_rank[:, offset : offset + size].reshape(-1)  # a copy: its own storage
+            # a copy, so that every weight has a storage of its own (the saved-tensor hook
+            # tells weights apart by storage)
+            piece = by_rank[:, offset : offset + size].clone().view(-1)
             fulls.append(piece[:numel].view(shape))
             offset += size
         self.owner.note_gathered(fulls)

@@ -198,6 +198,12 @@ def test_bf16_messages_halve_the_bytes():
     assert dtypes == {torch.float32}
 
 
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_one_rank_is_plain_training(stage):
+    got = parlib.launch(_train, stage, "sgd", {}, world_size=1)[0]["params"]
+    assert verify.compare(got, _reference("sgd").params)
+
+
 def test_zero2_needs_a_process_group():
     with pytest.raises(RuntimeError, match="process group"):
         Zero2(build_model(CFG), torch.optim.SGD, lr=0.1)
