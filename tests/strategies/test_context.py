@@ -131,10 +131,10 @@ def test_bad_input_is_named():
 
 # ---- on ranks: attention against one device, bytes, the model
 
-def _attention_vs_single(causal, layout, kind):
+def _attention_vs_single(causal, layout, kind, group=None):
     """This rank's out, dq, dk, dv of ``kind`` attention against the slices of single-device
     attention (same random q, k, v, upstream gradient on every rank), and the messages."""
-    group = dist.group.WORLD
+    group = group or dist.group.WORLD
     gen = torch.Generator().manual_seed(7)
     q, k, v, d_out = (torch.randn(B, HEADS, S, D, generator=gen) for _ in range(4))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -182,6 +182,10 @@ def _on_ranks():
     model = {(layout, kind): _model_vs_single(layout, kind)
              for layout, kind in (("zigzag", "ring"), ("contiguous", "ring"),
                                   ("zigzag", "all_gather"))}
+    if dist.get_world_size() == 4:  # two cp groups of 2 side by side: ranks {0, 1}, {2, 3}
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        attention["pairs"] = _attention_vs_single(True, "zigzag", "ring",
+                                                  pairs[dist.get_rank() // 2])
     return attention, model
 
 
@@ -200,6 +204,13 @@ def test_attention_equals_single_device_forward_and_backward(cp, causal, layout,
     for rank, (attention, _) in enumerate(_results(cp)):
         result, _, _ = attention[(causal, layout, kind)]
         assert result, f"rank {rank} of {cp}: {result} (mismatched {result.mismatched})"
+
+
+def test_ring_attention_on_a_subgroup():
+    for rank, (attention, _) in enumerate(_results(4)):
+        result, records, _ = attention["pairs"]
+        assert result, f"rank {rank}, cp group of 2: {result}"
+        assert sum(op == "send" for op, *_ in records) == ring_sends_per_layer(2)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
