@@ -120,48 +120,77 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     return out, top + torch.log(total)
 
 
-def _block_backward(q, k, v, d_out, lse, delta, q_pos, k_pos):
+def _block_backward(q, k, v, d_out, out, lse, causal):
     """Gradients of one block from the final (out, lse): P = exp(S - lse),
-    dV = P^T dO, dS = P * (dO V^T - delta), dQ = dS K / sqrt(d), dK = dS^T Q / sqrt(d)."""
+    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * out)), dQ = dS K / sqrt(d), dK = dS^T Q /
+    sqrt(d). ``causal``: q and k are the same positions (a diagonal chunk pair)."""
+    if _FUSED is not None and q.device.type == "cpu":
+        return _FUSED_BACKWARD(d_out, q, k, v, out, lse, 0.0, causal)
     scale = 1 / math.sqrt(q.shape[-1])
-    scores = q @ k.transpose(-2, -1) * scale  # (b, a, s_q, s_k)
-    probs = torch.exp(scores - lse[..., None])
-    allowed = _allowed(q_pos, k_pos)
-    if allowed is not None:
-        probs = probs.masked_fill(~allowed, 0.0)
+    probs = torch.exp(q @ k.transpose(-2, -1) * scale - lse[..., None])  # (b, a, s_q, s_k)
+    if causal:
+        probs = torch.tril(probs)
     dv = probs.transpose(-2, -1) @ d_out  # (b, a, s_k, d)
-    ds = probs * (d_out @ v.transpose(-2, -1) - delta[..., None])  # (b, a, s_q, s_k)
+    delta = (d_out * out).sum(-1, keepdim=True)  # (b, a, s_q, 1)
+    ds = probs * (d_out @ v.transpose(-2, -1) - delta)  # (b, a, s_q, s_k)
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
+
+
+# The CPU's fused attention kernel returns the log-sum-exp the merge needs (and its backward
+# takes the final out and lse): the same numbers as block_attention, without materialising
+# the scores. Elsewhere the explicit formulas above run.
+_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FUSED_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
+                          None)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one chunk pair: all keys visible, or (``causal``) the diagonal pair."""
+    if _FUSED is not None and _FUSED_BACKWARD is not None and q.device.type == "cpu":
+        return _FUSED(q, k, v, 0.0, causal)
+    pos = torch.arange(q.shape[-2], device=q.device) if causal else None
+    return block_attention(q, k, v, pos, pos)
 
 
 # --------------------------------------------------------------------------------------
 # Ring attention
 # --------------------------------------------------------------------------------------
 
-class _Ring:
-    """This rank's place in the group: ring neighbours and every rank's positions."""
+def _chunks(positions: torch.Tensor) -> list[tuple[slice, int, int]]:
+    """A rank's positions as runs of consecutive ones: (local slice, first, last)."""
+    breaks = [0] + [i for i in range(1, len(positions))
+                    if positions[i] != positions[i - 1] + 1] + [len(positions)]
+    return [(slice(a, b), int(positions[a]), int(positions[b - 1]))
+            for a, b in zip(breaks, breaks[1:])]
 
-    def __init__(self, group: Any, s_local: int, layout: str, causal: bool,
-                 device: torch.device) -> None:
+
+class _Ring:
+    """This rank's place in the group: ring neighbours and every rank's chunks."""
+
+    def __init__(self, group: Any, s_local: int, layout: str, causal: bool) -> None:
         self.group, self.rank, self.cp = group, dist.get_rank(group), dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.cp)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.cp)
         self.causal = causal
-        seq_len = s_local * self.cp
-        self.positions = [sequence_positions(r, self.cp, seq_len, layout).to(device)
-                          for r in range(self.cp)]
+        self.chunks = [_chunks(sequence_positions(r, self.cp, s_local * self.cp, layout))
+                       for r in range(self.cp)]
 
     def source(self, step: int) -> int:
         """Whose K/V block this rank holds at ``step``: it moved ``step`` hops forward."""
         return (self.rank - step) % self.cp
 
-    def masks(self, step: int) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
-        """(q_pos, k_pos, visible): positions for the causal mask (None when not causal),
-        and whether any key of the block is visible to any query (else skip its compute)."""
+    def pairs(self, step: int) -> list[tuple[slice, slice, bool]]:
+        """(query slice, key slice, diagonal) of every chunk pair to compute at ``step``.
+        The layouts cut the sequence into equal chunks, so under the causal mask a pair is
+        fully visible (keys before queries), diagonal (the same chunk) or skipped (keys in
+        the queries' future: never computed, which is where the layout's balance shows)."""
         if not self.causal:
-            return None, None, True
-        q_pos, k_pos = self.positions[self.rank], self.positions[self.source(step)]
-        return q_pos, k_pos, bool(k_pos.min() <= q_pos.max())
+            return [(slice(None), slice(None), False)]
+        return [(qs, ks, k_first == q_first)
+                for qs, q_first, q_last in self.chunks[self.rank]
+                for ks, k_first, k_last in self.chunks[self.source(step)]
+                if k_first <= q_last]
 
     def exchange(self, send: torch.Tensor,
                  tag: int = KV_TAG) -> tuple[list[Any], torch.Tensor]:
@@ -172,28 +201,32 @@ class _Ring:
         return works, recv
 
 
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    return t[..., rows, :]  # (b, a, s, d) -> the positions ``rows``
+
+
 class RingAttention(Function):
     """Attention of this rank's queries over the whole sequence, K/V passed round a ring.
 
     q, k, v: (b, a, s/cp, d) on each rank -> out (b, a, s/cp, d). Forward: cp steps; at step
     j the rank holds the K/V of rank (r - j) mod cp, stacked as kv (2, b, a, s/cp, d), sends
-    it on while computing with it, and merges the block's (out, lse) into the running one.
-    Backward: the K/V go round again; each block's partial dK/dV (2, b, a, s/cp, d) is summed
-    on every rank it visits and sent one hop behind it, arriving home after cp - 1 hops."""
+    it on while computing with it, and merges each chunk pair's (out, lse) into the running
+    one. Backward: the K/V go round again; each block's partial dK/dV (2, b, a, s/cp, d) is
+    summed on every rank it visits and sent one hop behind it, home after cp - 1 hops."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
                 causal: bool, layout: str) -> torch.Tensor:
-        ring = _Ring(group, q.shape[-2], layout, causal, q.device)
+        ring = _Ring(group, q.shape[-2], layout, causal)
         kv = torch.stack([k, v]).contiguous()  # (2, b, a, s/cp, d)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         for step in range(ring.cp):
             works, incoming = ring.exchange(kv) if step < ring.cp - 1 else ([], None)
-            q_pos, k_pos, visible = ring.masks(step)
-            if visible:  # a block wholly in this rank's future is skipped, not computed
-                block = block_attention(q, kv[0], kv[1], q_pos, k_pos)
-                out, lse = merge_partials(out, lse, *block)
+            for qs, ks, diagonal in ring.pairs(step):  # while the next block travels
+                part = _attend(_rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks), diagonal)
+                out[..., qs, :], lse[..., qs] = merge_partials(
+                    _rows(out, qs), lse[..., qs], *part)
             for w in works:
                 w.wait()
             kv = incoming
@@ -206,7 +239,6 @@ class RingAttention(Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring = ctx.ring
         d_out = d_out.contiguous()
-        delta = (d_out * out).sum(-1)  # (b, a, s/cp): rowsum(dO * O)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v]).contiguous()
         mine = torch.zeros_like(kv)  # this rank's share of its own block's gradient
@@ -214,13 +246,14 @@ class RingAttention(Function):
         grad_sends = []
         for step in range(ring.cp):
             works, incoming = ring.exchange(kv) if step < ring.cp - 1 else ([], None)
-            q_pos, k_pos, visible = ring.masks(step)
             partial = torch.zeros_like(kv)  # (2, b, a, s/cp, d): dK, dV of the held block
-            if visible:
-                dq_b, dk_b, dv_b = _block_backward(q, kv[0], kv[1], d_out, lse, delta,
-                                                   q_pos, k_pos)
-                dq += dq_b
-                partial = torch.stack([dk_b, dv_b])
+            for qs, ks, diagonal in ring.pairs(step):
+                dq_b, dk_b, dv_b = _block_backward(
+                    _rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks), _rows(d_out, qs),
+                    _rows(out, qs), lse[..., qs], diagonal)
+                dq[..., qs, :] += dq_b
+                partial[0, ..., ks, :] += dk_b
+                partial[1, ..., ks, :] += dv_b
             if step == 0:
                 mine = partial
             else:

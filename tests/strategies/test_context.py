@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import parlib
+import parlib.strategies.context as context
 from parlib.cost.context import (
     all_gather_kv_sent_bytes_per_layer,
     kv_block_bytes,
@@ -182,6 +183,12 @@ def _on_ranks():
     model = {(layout, kind): _model_vs_single(layout, kind)
              for layout, kind in (("zigzag", "ring"), ("contiguous", "ring"),
                                   ("zigzag", "all_gather"))}
+    fused, context._FUSED = context._FUSED, None  # the explicit formulas, as on a GPU
+    try:
+        for causal in (True, False):
+            attention[("formulas", causal)] = _attention_vs_single(causal, "zigzag", "ring")
+    finally:
+        context._FUSED = fused
     if dist.get_world_size() == 4:  # two cp groups of 2 side by side: ranks {0, 1}, {2, 3}
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         attention["pairs"] = _attention_vs_single(True, "zigzag", "ring",
@@ -204,6 +211,14 @@ def test_attention_equals_single_device_forward_and_backward(cp, causal, layout,
     for rank, (attention, _) in enumerate(_results(cp)):
         result, _, _ = attention[(causal, layout, kind)]
         assert result, f"rank {rank} of {cp}: {result} (mismatched {result.mismatched})"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_without_the_fused_kernel(cp):
+    for rank, (attention, _) in enumerate(_results(cp)):
+        for causal in (True, False):
+            result, _, _ = attention[("formulas", causal)]
+            assert result, f"rank {rank} of {cp}, causal={causal}: {result}"
 
 
 def test_ring_attention_on_a_subgroup():
