@@ -21,7 +21,6 @@ the causal mask's work). Tensors are (b, heads, s_local, head_dim) inside attent
 from __future__ import annotations
 
 import copy
-import math
 from typing import Any
 
 import torch
@@ -32,6 +31,13 @@ from torch.autograd import Function
 
 from parlib import comm
 from parlib.model import Attention, TinyGPT
+from parlib.strategies.context_ops import (
+    block_attention,
+    block_backward,
+    chunk_attention,
+    merge_partials,
+    visible_mask,
+)
 
 LAYOUTS = ("contiguous", "zigzag")
 KV_TAG, GRAD_TAG = 0, 1  # K/V blocks and their gradients travel the same links
@@ -73,84 +79,6 @@ def split_sequence(x: torch.Tensor, group: Any, layout: str = "contiguous",
     pos = sequence_positions(dist.get_rank(group), dist.get_world_size(group), x.shape[dim],
                              layout)
     return x.index_select(dim, pos.to(x.device))
-
-
-# --------------------------------------------------------------------------------------
-# Blockwise attention and the online softmax
-# --------------------------------------------------------------------------------------
-
-def _allowed(q_pos: torch.Tensor | None, k_pos: torch.Tensor | None) -> torch.Tensor | None:
-    """(s_q, s_k) bool: key position <= query position (None: no mask)."""
-    if q_pos is None or k_pos is None:
-        return None
-    return k_pos[None, :] <= q_pos[:, None]
-
-
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    q_pos: torch.Tensor | None = None,
-                    k_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries q (b, a, s_q, d) on one block of keys/values (b, a, s_k, d):
-    (out (b, a, s_q, d), lse (b, a, s_q)), lse the log-sum-exp of each row's scores.
-
-    With positions, key j is visible to query i when k_pos[j] <= q_pos[i] (causal); a row
-    that sees nothing in this block gets out 0 and lse -inf."""
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (b, a, s_q, s_k)
-    allowed = _allowed(q_pos, k_pos)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (b, a, s_q); -inf for an all-masked row
-    probs = torch.exp(scores - lse.clamp_min(torch.finfo(lse.dtype).min)[..., None])
-    return probs @ v, lse
-
-
-def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                   lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial results of the same queries over disjoint key blocks -> the result over
-    both (the online softmax). out (b, a, s_q, d), lse (b, a, s_q).
-
-    Each side is normalised by its own sum exp(lse); the merged row weighs side x by
-    exp(lse_x - lse), lse = log(exp(lse_a) + exp(lse_b)), computed from the running max so
-    nothing overflows; a row -inf on both sides stays (0, -inf)."""
-    top = torch.maximum(lse_a, lse_b)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # both -inf: any
-    wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
-    total = wa + wb
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    out = (wa[..., None] * out_a + wb[..., None] * out_b) / safe[..., None]
-    return out, top + torch.log(total)
-
-
-def _block_backward(q, k, v, d_out, out, lse, causal):
-    """Gradients of one block from the final (out, lse): P = exp(S - lse),
-    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * out)), dQ = dS K / sqrt(d), dK = dS^T Q /
-    sqrt(d). ``causal``: q and k are the same positions (a diagonal chunk pair)."""
-    if _FUSED is not None and q.device.type == "cpu":
-        return _FUSED_BACKWARD(d_out, q, k, v, out, lse, 0.0, causal)
-    scale = 1 / math.sqrt(q.shape[-1])
-    probs = torch.exp(q @ k.transpose(-2, -1) * scale - lse[..., None])  # (b, a, s_q, s_k)
-    if causal:
-        probs = torch.tril(probs)
-    dv = probs.transpose(-2, -1) @ d_out  # (b, a, s_k, d)
-    delta = (d_out * out).sum(-1, keepdim=True)  # (b, a, s_q, 1)
-    ds = probs * (d_out @ v.transpose(-2, -1) - delta)  # (b, a, s_q, s_k)
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
-
-
-# The CPU's fused attention kernel returns the log-sum-exp the merge needs (and its backward
-# takes the final out and lse): the same numbers as block_attention, without materialising
-# the scores. Elsewhere the explicit formulas above run.
-_FUSED = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FUSED_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
-                          None)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of one chunk pair: all keys visible, or (``causal``) the diagonal pair."""
-    if _FUSED is not None and _FUSED_BACKWARD is not None and q.device.type == "cpu":
-        return _FUSED(q, k, v, 0.0, causal)
-    pos = torch.arange(q.shape[-2], device=q.device) if causal else None
-    return block_attention(q, k, v, pos, pos)
 
 
 # --------------------------------------------------------------------------------------
@@ -224,7 +152,7 @@ class RingAttention(Function):
         for step in range(ring.cp):
             works, incoming = ring.exchange(kv) if step < ring.cp - 1 else ([], None)
             for qs, ks, diagonal in ring.pairs(step):  # while the next block travels
-                part = _attend(_rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks), diagonal)
+                part = chunk_attention(_rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks), diagonal)
                 out[..., qs, :], lse[..., qs] = merge_partials(
                     _rows(out, qs), lse[..., qs], *part)
             for w in works:
@@ -248,7 +176,7 @@ class RingAttention(Function):
             works, incoming = ring.exchange(kv) if step < ring.cp - 1 else ([], None)
             partial = torch.zeros_like(kv)  # (2, b, a, s/cp, d): dK, dV of the held block
             for qs, ks, diagonal in ring.pairs(step):
-                dq_b, dk_b, dv_b = _block_backward(
+                dq_b, dk_b, dv_b = block_backward(
                     _rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks), _rows(d_out, qs),
                     _rows(out, qs), lse[..., qs], diagonal)
                 dq[..., qs, :] += dq_b
@@ -328,7 +256,7 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     mask = None
     if causal:
         k_pos = torch.cat([sequence_positions(r, cp, seq_len, layout) for r in range(cp)])
-        mask = _allowed(sequence_positions(rank, cp, seq_len, layout), k_pos).to(q.device)
+        mask = visible_mask(sequence_positions(rank, cp, seq_len, layout), k_pos).to(q.device)
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
 

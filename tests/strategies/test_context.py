@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import parlib
-import parlib.strategies.context as context
+import parlib.strategies.context_ops as context_ops
 from parlib.cost.context import (
     all_gather_kv_sent_bytes_per_layer,
     kv_block_bytes,
@@ -183,12 +183,12 @@ def _on_ranks():
     model = {(layout, kind): _model_vs_single(layout, kind)
              for layout, kind in (("zigzag", "ring"), ("contiguous", "ring"),
                                   ("zigzag", "all_gather"))}
-    fused, context._FUSED = context._FUSED, None  # the explicit formulas, as on a GPU
+    fused, context_ops._FUSED = context_ops._FUSED, None  # the explicit formulas, as on a GPU
     try:
         for causal in (True, False):
             attention[("formulas", causal)] = _attention_vs_single(causal, "zigzag", "ring")
     finally:
-        context._FUSED = fused
+        context_ops._FUSED = fused
     if dist.get_world_size() == 4:  # two cp groups of 2 side by side: ranks {0, 1}, {2, 3}
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         attention["pairs"] = _attention_vs_single(True, "zigzag", "ring",
