@@ -87,9 +87,9 @@ def split_sequence(x: torch.Tensor, group: Any, layout: str = "contiguous",
 
 def _chunks(positions: torch.Tensor) -> list[tuple[slice, int, int]]:
     """A rank's positions as runs of consecutive ones: (local slice, first, last)."""
-    breaks = [0] + [i for i in range(1, len(positions))
-                    if positions[i] != positions[i - 1] + 1] + [len(positions)]
-    return [(slice(a, b), int(positions[a]), int(positions[b - 1]))
+    pos = positions.tolist()  # plain ints: a per-element loop over a tensor is slow
+    breaks = [0] + [i for i in range(1, len(pos)) if pos[i] != pos[i - 1] + 1] + [len(pos)]
+    return [(slice(a, b), pos[a], pos[b - 1])
             for a, b in zip(breaks, breaks[1:])]
 
 
