@@ -183,6 +183,11 @@ def _on_ranks():
     model = {(layout, kind): _model_vs_single(layout, kind)
              for layout, kind in (("zigzag", "ring"), ("contiguous", "ring"),
                                   ("zigzag", "all_gather"))}
+    odd = torch.zeros(B, HEADS, 3, D)  # 3 positions per rank: no zig-zag pair of chunks
+    try:
+        ring_attention(odd, odd, odd, dist.group.WORLD, layout="zigzag")
+    except ValueError as err:
+        attention["odd"] = str(err)
     fused, context_ops._FUSED = context_ops._FUSED, None  # the explicit formulas, as on a GPU
     try:
         for causal in (True, False):
@@ -211,6 +216,13 @@ def test_attention_equals_single_device_forward_and_backward(cp, causal, layout,
     for rank, (attention, _) in enumerate(_results(cp)):
         result, _, _ = attention[(causal, layout, kind)]
         assert result, f"rank {rank} of {cp}: {result} (mismatched {result.mismatched})"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_sequence_that_does_not_split_is_named_on_the_ranks(cp):
+    for attention, _ in _results(cp):
+        assert attention["odd"].startswith(f"sequence length {3 * cp} does not split into "
+                                           f"{2 * cp} equal chunks (zigzag")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
