@@ -85,12 +85,10 @@ def split_sequence(x: torch.Tensor, group: Any, layout: str = "contiguous",
 # Ring attention
 # --------------------------------------------------------------------------------------
 
-def _chunks(positions: torch.Tensor) -> list[tuple[slice, int, int]]:
-    """A rank's positions as runs of consecutive ones: (local slice, first, last)."""
-    pos = positions.tolist()  # plain ints: a per-element loop over a tensor is slow
-    breaks = [0] + [i for i in range(1, len(pos)) if pos[i] != pos[i - 1] + 1] + [len(pos)]
-    return [(slice(a, b), pos[a], pos[b - 1])
-            for a, b in zip(breaks, breaks[1:])]
+def _chunks(positions: torch.Tensor, size: int) -> list[tuple[slice, int, int]]:
+    """A rank's positions cut into the layout's chunks: (local slice, first, last)."""
+    pos = positions.tolist()  # plain ints: indexing a tensor element by element is slow
+    return [(slice(i, i + size), pos[i], pos[i + size - 1]) for i in range(0, len(pos), size)]
 
 
 class _Ring:
@@ -101,7 +99,8 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.cp)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.cp)
         self.causal = causal
-        self.chunks = [_chunks(sequence_positions(r, self.cp, s_local * self.cp, layout))
+        size = s_local if layout == "contiguous" else s_local // 2
+        self.chunks = [_chunks(sequence_positions(r, self.cp, s_local * self.cp, layout), size)
                        for r in range(self.cp)]
 
     def source(self, step: int) -> int:

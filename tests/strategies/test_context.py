@@ -13,9 +13,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import parlib
+import parlib.strategies.context as context
 import parlib.strategies.context_ops as context_ops
 from parlib.cost.context import (
     all_gather_kv_sent_bytes_per_layer,
+    causal_block_work,
     kv_block_bytes,
     ring_attention_sent_bytes_per_layer,
     ring_sends_per_layer,
@@ -183,6 +185,9 @@ def _on_ranks():
     model = {(layout, kind): _model_vs_single(layout, kind)
              for layout, kind in (("zigzag", "ring"), ("contiguous", "ring"),
                                   ("zigzag", "all_gather"))}
+    for layout in LAYOUTS:  # chunk pairs this rank computes over the whole ring, causal
+        ring = context._Ring(dist.group.WORLD, S // dist.get_world_size(), layout, True)
+        attention[("work", layout)] = sum(len(ring.pairs(step)) for step in range(ring.cp))
     odd = torch.zeros(B, HEADS, 3, D)  # 3 positions per rank: no zig-zag pair of chunks
     try:
         ring_attention(odd, odd, odd, dist.group.WORLD, layout="zigzag")
@@ -223,6 +228,16 @@ def test_a_sequence_that_does_not_split_is_named_on_the_ranks(cp):
     for attention, _ in _results(cp):
         assert attention["odd"].startswith(f"sequence length {3 * cp} does not split into "
                                            f"{2 * cp} equal chunks (zigzag")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_causal_work_per_rank_is_the_formula(cp):
+    # contiguous: rank r computes r + 1 blocks (unbalanced); zig-zag: 2cp + 1 half-size
+    # chunk pairs on every rank
+    for layout in LAYOUTS:
+        work = [attention[("work", layout)] for attention, _ in _results(cp)]
+        assert work == causal_block_work(cp, zigzag=layout == "zigzag")
+    assert len({attention[("work", "zigzag")] for attention, _ in _results(cp)}) == 1
 
 
 @pytest.mark.parametrize("cp", [2, 4])
