@@ -22,7 +22,7 @@ from parlib.runtime.errors import (
 )
 
 SETTLE_S = 0.5  # after a rank fails, how long the others get to finish or fail too
-INTERRUPT_GRACE_S = 1.0  # how long an interrupted rank gets to stop in Python code
+INTERRUPT_GRACE_S = 0.6  # how long an interrupted rank gets to stop in Python code
 
 
 class Stopping:
@@ -66,12 +66,16 @@ class Stopping:
         stopped: list[int] = []
         try:
             if kind == "ok":
+                # Stacks first, during the grace (not after it): the interrupt stays within
+                # a second even when ranks must be killed.
+                self._request_stacks(running)
                 stopped = self._interrupt(running, kind, replies, errors, dead,
                                           INTERRUPT_GRACE_S)
         except KeyboardInterrupt:  # a second interrupt: no more waiting
             pass
         stuck = [r for r in running if r not in stopped]
-        stacks = self._stacks(stuck) if stuck and kind == "ok" else ""
+        mid = self._left_mid_collective(stopped, errors)
+        stacks = self._read_stacks(stuck) if stuck and kind == "ok" else ""
         lines = []
         for e in sorted(errors, key=lambda e: e["rank"]):
             if e["rank"] in stopped:
@@ -79,10 +83,12 @@ class Stopping:
                              f"{where_text(e['frames'], self._code_index)}")
         self.output.drain()
         self.output.flush_partials(0.0)
-        if stuck or dead or kind != "ok":
+        if stuck or mid or dead or kind != "ok":
             self.kill()
             why = (f"rank(s) {format_ranks(stuck)} did not stop (stuck in C++ code, e.g. "
-                   "waiting in a collective)" if stuck else "start-up was cut short")
+                   "waiting in a collective)" if stuck else
+                   f"rank(s) {format_ranks(mid)} stopped inside a collective" if mid else
+                   "start-up was cut short")
             head = (f"interrupted: ranks {format_ranks(list(range(self.world_size)))} "
                     f"stopped\n{self._lost_note(why)}")
         else:
@@ -90,6 +96,13 @@ class Stopping:
             if self.warm:
                 head += "; the ranks and their variables are kept"
         raise RanksInterrupted("\n".join([head, *lines]), stacks) from None
+
+    @staticmethod
+    def _left_mid_collective(ranks: list[int], errors: list) -> list[int]:
+        """Ranks among ``ranks`` whose error came from inside torch.distributed: their
+        process group may be half-way through a collective, so it cannot be kept."""
+        return sorted({e["rank"] for e in errors if e["rank"] in ranks
+                       and (e.get("in_collective") or e.get("echo"))})
 
     def _death_report(self, rank: int) -> dict[str, Any]:
         code = self.procs[rank].exitcode
@@ -108,7 +121,7 @@ class Stopping:
                        deadline: float) -> None:
         __tracebackhide__ = True
         stuck = [r for r in range(self.world_size) if r not in replies]
-        stacks = self._stacks(stuck)
+        self._request_stacks(stuck)
         done = sorted(replies)
         hint = ""
         if done:
@@ -119,30 +132,38 @@ class Stopping:
             )
         stopped = self._interrupt(stuck, kind, replies, errors, dead, SETTLE_S) \
             if kind == "ok" else []
-        kept = len(stopped) == len(stuck)
+        stacks = self._read_stacks(stuck)
+        kept = len(stopped) == len(stuck) and not self._left_mid_collective(stopped, errors)
         if not kept:
             self.kill()
         note = ("(every rank was stopped in Python code; the ranks and their variables are "
-                "kept)" if kept and self.warm else "" if kept else self._lost_note("timeout"))
+                "kept)" if kept and self.warm else "" if kept else self._lost_note(
+                    "timeout: a rank was left inside a collective or C++ code"))
         raise RankError(
             f"rank(s) {format_ranks(stuck)} did not finish within {self._limit_s:.3g} s; "
             f"they were stopped.{hint}\n{note}".rstrip(),
             rank=stuck[0], exc_type="Timeout", remote_traceback=stacks, kept=kept,
         )
 
-    def _stacks(self, ranks: list[int]) -> str:
-        """Ask hung ranks where they are (faulthandler on SIGUSR1) before killing them."""
+    def _request_stacks(self, ranks: list[int]) -> None:
+        """Ask ranks where they are (faulthandler on SIGUSR1; it answers even in C++)."""
         for r in ranks:
             try:
                 os.kill(self.ids[r][0], signal.SIGUSR1)
             except OSError:
                 pass
-        time.sleep(0.2)
+
+    def _read_stacks(self, ranks: list[int], wait_s: float = 0.05) -> str:
+        """The dumps asked for by :meth:`_request_stacks`, emptied after reading (a rank
+        that is kept appends its next dump to an empty file)."""
+        time.sleep(wait_s)  # the dump is written by the rank's signal handler
         parts = []
         for r in ranks:
+            path = os.path.join(self._tmp, f"stack{r}.txt")
             try:
-                with open(os.path.join(self._tmp, f"stack{r}.txt")) as fh:
+                with open(path, "r+") as fh:
                     text = fh.read().strip()
+                    fh.truncate(0)
             except OSError:
                 text = ""
             if text:

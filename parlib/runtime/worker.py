@@ -200,7 +200,9 @@ def rank_main(spec: dict[str, Any], ctrl: Any, out_w: Any, err_w: Any,
         pass
     sys.path[:] = spec["sys_path"]
     threading.Thread(target=_watch_lifeline, args=(lifeline.fileno(),), daemon=True).start()
-    stack_file = open(spec["stack_path"], "w")  # noqa: SIM115 - lives as long as the rank
+    # Append mode: the launcher empties the file after reading a dump, and the next dump
+    # must start at its beginning again.
+    stack_file = open(spec["stack_path"], "a")  # noqa: SIM115 - lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     torch.set_num_threads(spec["threads"])
     # The course calls collectives under names every torch knows (parlib.comm); torch's own
