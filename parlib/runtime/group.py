@@ -109,6 +109,7 @@ class RankGroup(Stopping):
             if not _stale_cleaned:
                 _stale_cleaned = True
                 procs.remove_stale_temp_dirs()
+            procs.start_temp_dir_reaper()
             procs.own_multiprocessing_temp_dir()
             self._tmp = procs.make_temp_dir("group")
             lifeline_r, self._lifeline = ctx.Pipe(duplex=False)

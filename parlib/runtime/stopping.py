@@ -1,13 +1,15 @@
 """How a call that went wrong is stopped: a rank that died while idle, a rank failing
 while others run, a kernel interrupt, a timeout. Ranks still running Python code get
 ``KeyboardInterrupt`` (SIGUSR2) and the group is kept; ranks that do not stop (stuck in C++
-code such as a collective) are killed, and the error says what was lost.
+code such as a collective) or that stopped inside torch.distributed (the group may be half-way
+through a collective) are killed, and the error says what was lost.
 
 :class:`Stopping` is a part of :class:`parlib.runtime.group.RankGroup`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -23,6 +25,7 @@ from parlib.runtime.errors import (
 
 SETTLE_S = 0.5  # after a rank fails, how long the others get to finish or fail too
 INTERRUPT_GRACE_S = 0.6  # how long an interrupted rank gets to stop in Python code
+STACK_DUMP_S = 0.2  # the most a rank's stack dump (faulthandler) may take before the interrupt
 
 
 class Stopping:
@@ -66,8 +69,8 @@ class Stopping:
         stopped: list[int] = []
         try:
             if kind == "ok":
-                # Stacks first, during the grace (not after it): the interrupt stays within
-                # a second even when ranks must be killed.
+                # Stacks first (they come at once), then the grace: the interrupt stays
+                # within a second even when ranks must be killed.
                 self._request_stacks(running)
                 stopped = self._interrupt(running, kind, replies, errors, dead,
                                           INTERRUPT_GRACE_S)
@@ -145,25 +148,36 @@ class Stopping:
             rank=stuck[0], exc_type="Timeout", remote_traceback=stacks, kept=kept,
         )
 
-    def _request_stacks(self, ranks: list[int]) -> None:
-        """Ask ranks where they are (faulthandler on SIGUSR1; it answers even in C++)."""
-        for r in ranks:
-            try:
-                os.kill(self.ids[r][0], signal.SIGUSR1)
-            except OSError:
-                pass
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._tmp, f"stack{rank}.txt")
 
-    def _read_stacks(self, ranks: list[int], wait_s: float = 0.05) -> str:
-        """The dumps asked for by :meth:`_request_stacks`, emptied after reading (a rank
-        that is kept appends its next dump to an empty file)."""
-        time.sleep(wait_s)  # the dump is written by the rank's signal handler
+    def _request_stacks(self, ranks: list[int]) -> None:
+        """Ask ranks where they are (faulthandler on SIGUSR1; it answers even in C++) and
+        wait until they wrote it down: an interrupt (SIGUSR2) arriving while the dump is
+        being written can hang a rank, so the two signals are never sent together."""
+        for r in ranks:
+            with contextlib.suppress(OSError):
+                os.truncate(self._stack_path(r), 0)  # the rank appends: start empty
+            with contextlib.suppress(OSError):
+                os.kill(self.ids[r][0], signal.SIGUSR1)
+        deadline = time.monotonic() + STACK_DUMP_S
+        while time.monotonic() < deadline and not all(self._dumped(r) for r in ranks):
+            time.sleep(0.005)
+        time.sleep(0.01)  # the rest of a dump already begun
+
+    def _dumped(self, rank: int) -> bool:
+        try:
+            return os.path.getsize(self._stack_path(rank)) > 0
+        except OSError:
+            return True  # no file to wait for
+
+    def _read_stacks(self, ranks: list[int]) -> str:
+        """The dumps asked for by :meth:`_request_stacks`."""
         parts = []
         for r in ranks:
-            path = os.path.join(self._tmp, f"stack{r}.txt")
             try:
-                with open(path, "r+") as fh:
+                with open(self._stack_path(r)) as fh:
                     text = fh.read().strip()
-                    fh.truncate(0)
             except OSError:
                 text = ""
             if text:
@@ -171,4 +185,4 @@ class Stopping:
         return "\n\n".join(parts)
 
 
-__all__ = ["INTERRUPT_GRACE_S", "SETTLE_S", "Stopping"]
+__all__ = ["INTERRUPT_GRACE_S", "SETTLE_S", "STACK_DUMP_S", "Stopping"]

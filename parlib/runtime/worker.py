@@ -48,6 +48,11 @@ CELL_NAMESPACE: dict[str, Any] = {"__name__": "__ranks__"}
 def _watch_lifeline(fd: int) -> None:
     """End this rank (and its children) when the launcher closes its end of the lifeline:
     on ``kill()``, an interrupt during start-up, or the kernel's death (zombie or not)."""
+    # The launcher's SIGUSR1 (stack dump) and SIGUSR2 (interrupt) are for the main thread,
+    # which runs the learner's code: a signal the kernel hands to this thread would dump
+    # this thread's stack instead.
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
     try:
         while os.read(fd, 1):
             pass
