@@ -26,6 +26,14 @@ from tests.helpers.procutil import alive, children_of
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return "?"
+
+
 def _cell(cluster, source):
     linecache.cache["<test cell>"] = (len(source), None, source.splitlines(True), "<test cell>")
     return cluster.run(_run_cell_on, None, source, "<test cell>", ())
@@ -144,7 +152,10 @@ def test_kernel_killed_with_its_process_group_leaves_no_temp_folder(tmp_path):
         while time.time() < deadline and glob.glob(pattern):
             time.sleep(0.1)
         assert not glob.glob(pattern), glob.glob(pattern)
-        assert not [p for p in helpers if alive(p)]
+        while time.time() < deadline and any(alive(p) for p in helpers):
+            time.sleep(0.1)
+        left = {p: _cmdline(p) for p in helpers if alive(p)}
+        assert not left, f"processes outlived their kernel: {left}"
     finally:
         if kernel.poll() is None:
             os.killpg(kernel.pid, signal.SIGKILL)
