@@ -49,6 +49,12 @@ from parlib.runtime.policy import (
 )
 from parlib.runtime.stopping import SETTLE_S, Stopping
 
+# The process group's own timeout, far beyond any call's: the launcher's deadline and the
+# kernel's interrupt are what end a stuck collective. A gloo timeout equal to the call's fired
+# inside the grace window and closed the group's connections, leaving ranks that looked
+# "stopped in Python" over a broken group (issue 26).
+PG_TIMEOUT_S = 365 * 24 * 3600.0
+
 _announced = False
 _stale_cleaned = False
 _live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
@@ -103,6 +109,7 @@ class RankGroup(Stopping):
             if not _stale_cleaned:
                 _stale_cleaned = True
                 procs.remove_stale_temp_dirs()
+            procs.start_temp_dir_reaper()
             procs.own_multiprocessing_temp_dir()
             self._tmp = procs.make_temp_dir("group")
             lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
@@ -163,12 +170,11 @@ class RankGroup(Stopping):
             PARLIB_BACKEND=self.plan.backend,
         )
         rank_env.setdefault("OMP_NUM_THREADS", str(threads))
-        pg_timeout = self.timeout if math.isfinite(self.timeout) else 365 * 24 * 3600.0
         return {
             "rank": rank, "world_size": self.world_size, "local_rank": rank,
             "backend": self.plan.backend, "store_path": os.path.join(self._tmp, "store"),
             "stack_path": os.path.join(self._tmp, f"stack{rank}.txt"),
-            "pg_timeout": max(pg_timeout, 1.0), "env": rank_env, "cwd": os.getcwd(),
+            "pg_timeout": PG_TIMEOUT_S, "env": rank_env, "cwd": os.getcwd(),
             "sys_path": list(sys.path), "threads": threads,
         }
 

@@ -3,8 +3,10 @@ temp folder behind.
 
 - Each rank leads its own process group, so killing the group also ends the rank's children.
 - A process is named by (pid, start time): a pid reused by a new process is never killed.
-- Temp folders are named ``parlib-<pid>-<start time>-...`` after the kernel that made them,
-  so a folder left by a killed kernel is recognised as stale and removed on the next start.
+- Temp folders are named ``parlib-<pid>-<start time>-...`` after the kernel that made them.
+  A small reaper process in its own session removes them when the kernel is gone, however it
+  ended (Jupyter kills the kernel's whole process group, forkserver included); a folder left
+  anyway (the reaper killed too) is recognised as stale and removed on the next start.
 - Interrupts are held back while ranks are being killed, then re-raised.
 """
 
@@ -15,6 +17,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -121,6 +124,39 @@ def remove_stale_temp_dirs(owner_pid: int | None = None) -> list[str]:
     return removed
 
 
+# Runs in its own session: waits for EOF on stdin (every write end closed: the kernel is
+# gone, however it ended), then removes the kernel's temp folders. No imports beyond os.
+_REAPER_CODE = """
+import os, shutil, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+try:
+    while sys.stdin.buffer.read(65536):
+        pass
+except BaseException:
+    pass
+root, tag = sys.argv[1], sys.argv[2]
+for name in os.listdir(root):
+    if name.startswith(tag):
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+"""
+_reaper: tuple[int, subprocess.Popen] | None = None  # (owner pid, reaper)
+
+
+def start_temp_dir_reaper() -> None:
+    """Start (once per process) the reaper that removes this process's temp folders after
+    it is gone. Outside the kernel's process group, so a group kill does not reach it."""
+    global _reaper
+    if os.name != "posix" or (_reaper is not None and _reaper[0] == os.getpid()):
+        return
+    with interrupts_deferred():  # a lost Popen would close the pipe: the reaper would act
+        _reaper = (os.getpid(), subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _REAPER_CODE, tempfile.gettempdir(),
+             _my_tag()],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True,
+        ))
+
+
 _mp_dir_done = False
 
 
@@ -187,5 +223,6 @@ def main_module_hidden() -> Iterator[None]:
 
 __all__ = [
     "interrupts_deferred", "is_alive", "kill_tree", "main_module_hidden", "make_temp_dir",
-    "own_multiprocessing_temp_dir", "remove_stale_temp_dirs", "start_time",
+    "own_multiprocessing_temp_dir", "remove_stale_temp_dirs", "start_temp_dir_reaper",
+    "start_time",
 ]

@@ -1,13 +1,15 @@
 """How a call that went wrong is stopped: a rank that died while idle, a rank failing
 while others run, a kernel interrupt, a timeout. Ranks still running Python code get
 ``KeyboardInterrupt`` (SIGUSR2) and the group is kept; ranks that do not stop (stuck in C++
-code such as a collective) are killed, and the error says what was lost.
+code such as a collective) or that stopped inside torch.distributed (the group may be half-way
+through a collective) are killed, and the error says what was lost.
 
 :class:`Stopping` is a part of :class:`parlib.runtime.group.RankGroup`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -22,7 +24,8 @@ from parlib.runtime.errors import (
 )
 
 SETTLE_S = 0.5  # after a rank fails, how long the others get to finish or fail too
-INTERRUPT_GRACE_S = 1.0  # how long an interrupted rank gets to stop in Python code
+INTERRUPT_GRACE_S = 0.6  # how long an interrupted rank gets to stop in Python code
+STACK_DUMP_S = 0.2  # the most a rank's stack dump (faulthandler) may take before the interrupt
 
 
 class Stopping:
@@ -66,12 +69,16 @@ class Stopping:
         stopped: list[int] = []
         try:
             if kind == "ok":
+                # Stacks first (they come at once), then the grace: the interrupt stays
+                # within a second even when ranks must be killed.
+                self._request_stacks(running)
                 stopped = self._interrupt(running, kind, replies, errors, dead,
                                           INTERRUPT_GRACE_S)
         except KeyboardInterrupt:  # a second interrupt: no more waiting
             pass
         stuck = [r for r in running if r not in stopped]
-        stacks = self._stacks(stuck) if stuck and kind == "ok" else ""
+        mid = self._left_mid_collective(stopped, errors)
+        stacks = self._read_stacks(stuck) if stuck and kind == "ok" else ""
         lines = []
         for e in sorted(errors, key=lambda e: e["rank"]):
             if e["rank"] in stopped:
@@ -79,10 +86,12 @@ class Stopping:
                              f"{where_text(e['frames'], self._code_index)}")
         self.output.drain()
         self.output.flush_partials(0.0)
-        if stuck or dead or kind != "ok":
+        if stuck or mid or dead or kind != "ok":
             self.kill()
             why = (f"rank(s) {format_ranks(stuck)} did not stop (stuck in C++ code, e.g. "
-                   "waiting in a collective)" if stuck else "start-up was cut short")
+                   "waiting in a collective)" if stuck else
+                   f"rank(s) {format_ranks(mid)} stopped inside a collective" if mid else
+                   "start-up was cut short")
             head = (f"interrupted: ranks {format_ranks(list(range(self.world_size)))} "
                     f"stopped\n{self._lost_note(why)}")
         else:
@@ -90,6 +99,13 @@ class Stopping:
             if self.warm:
                 head += "; the ranks and their variables are kept"
         raise RanksInterrupted("\n".join([head, *lines]), stacks) from None
+
+    @staticmethod
+    def _left_mid_collective(ranks: list[int], errors: list) -> list[int]:
+        """Ranks among ``ranks`` whose error came from inside torch.distributed: their
+        process group may be half-way through a collective, so it cannot be kept."""
+        return sorted({e["rank"] for e in errors if e["rank"] in ranks
+                       and (e.get("in_collective") or e.get("echo"))})
 
     def _death_report(self, rank: int) -> dict[str, Any]:
         code = self.procs[rank].exitcode
@@ -108,7 +124,7 @@ class Stopping:
                        deadline: float) -> None:
         __tracebackhide__ = True
         stuck = [r for r in range(self.world_size) if r not in replies]
-        stacks = self._stacks(stuck)
+        self._request_stacks(stuck)
         done = sorted(replies)
         hint = ""
         if done:
@@ -119,29 +135,48 @@ class Stopping:
             )
         stopped = self._interrupt(stuck, kind, replies, errors, dead, SETTLE_S) \
             if kind == "ok" else []
-        kept = len(stopped) == len(stuck)
+        stacks = self._read_stacks(stuck)
+        kept = len(stopped) == len(stuck) and not self._left_mid_collective(stopped, errors)
         if not kept:
             self.kill()
         note = ("(every rank was stopped in Python code; the ranks and their variables are "
-                "kept)" if kept and self.warm else "" if kept else self._lost_note("timeout"))
+                "kept)" if kept and self.warm else "" if kept else self._lost_note(
+                    "timeout: a rank was left inside a collective or C++ code"))
         raise RankError(
             f"rank(s) {format_ranks(stuck)} did not finish within {self._limit_s:.3g} s; "
             f"they were stopped.{hint}\n{note}".rstrip(),
             rank=stuck[0], exc_type="Timeout", remote_traceback=stacks, kept=kept,
         )
 
-    def _stacks(self, ranks: list[int]) -> str:
-        """Ask hung ranks where they are (faulthandler on SIGUSR1) before killing them."""
+    def _stack_path(self, rank: int) -> str:
+        return os.path.join(self._tmp, f"stack{rank}.txt")
+
+    def _request_stacks(self, ranks: list[int]) -> None:
+        """Ask ranks where they are (faulthandler on SIGUSR1; it answers even in C++) and
+        wait until they wrote it down: an interrupt (SIGUSR2) arriving while the dump is
+        being written can hang a rank, so the two signals are never sent together."""
         for r in ranks:
-            try:
+            with contextlib.suppress(OSError):
+                os.truncate(self._stack_path(r), 0)  # the rank appends: start empty
+            with contextlib.suppress(OSError):
                 os.kill(self.ids[r][0], signal.SIGUSR1)
-            except OSError:
-                pass
-        time.sleep(0.2)
+        deadline = time.monotonic() + STACK_DUMP_S
+        while time.monotonic() < deadline and not all(self._dumped(r) for r in ranks):
+            time.sleep(0.005)
+        time.sleep(0.01)  # the rest of a dump already begun
+
+    def _dumped(self, rank: int) -> bool:
+        try:
+            return os.path.getsize(self._stack_path(rank)) > 0
+        except OSError:
+            return True  # no file to wait for
+
+    def _read_stacks(self, ranks: list[int]) -> str:
+        """The dumps asked for by :meth:`_request_stacks`."""
         parts = []
         for r in ranks:
             try:
-                with open(os.path.join(self._tmp, f"stack{r}.txt")) as fh:
+                with open(self._stack_path(r)) as fh:
                     text = fh.read().strip()
             except OSError:
                 text = ""
@@ -150,4 +185,4 @@ class Stopping:
         return "\n\n".join(parts)
 
 
-__all__ = ["INTERRUPT_GRACE_S", "SETTLE_S", "Stopping"]
+__all__ = ["INTERRUPT_GRACE_S", "SETTLE_S", "STACK_DUMP_S", "Stopping"]

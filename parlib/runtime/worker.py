@@ -48,6 +48,11 @@ CELL_NAMESPACE: dict[str, Any] = {"__name__": "__ranks__"}
 def _watch_lifeline(fd: int) -> None:
     """End this rank (and its children) when the launcher closes its end of the lifeline:
     on ``kill()``, an interrupt during start-up, or the kernel's death (zombie or not)."""
+    # The launcher's SIGUSR1 (stack dump) and SIGUSR2 (interrupt) are for the main thread,
+    # which runs the learner's code: a signal the kernel hands to this thread would dump
+    # this thread's stack instead.
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
     try:
         while os.read(fd, 1):
             pass
@@ -200,7 +205,9 @@ def rank_main(spec: dict[str, Any], ctrl: Any, out_w: Any, err_w: Any,
         pass
     sys.path[:] = spec["sys_path"]
     threading.Thread(target=_watch_lifeline, args=(lifeline.fileno(),), daemon=True).start()
-    stack_file = open(spec["stack_path"], "w")  # noqa: SIM115 - lives as long as the rank
+    # Append mode: the launcher empties the file after reading a dump, and the next dump
+    # must start at its beginning again.
+    stack_file = open(spec["stack_path"], "a")  # noqa: SIM115 - lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
     torch.set_num_threads(spec["threads"])
     # The course calls collectives under names every torch knows (parlib.comm); torch's own
