@@ -9,6 +9,9 @@
 - :mod:`parlib.cost.memory`: model-state bytes per parameter and per ZeRO stage,
   activation and logits bytes per layer.
 - :mod:`parlib.cost.tensor`: bytes a tensor-parallel layer sends, parameters per rank.
+- :mod:`parlib.cost.sharded`: bytes a ZeRO stage sends per step (shards padded to N pieces).
+- :mod:`parlib.cost.context`: ring and all-gather attention bytes, activation memory per
+  context-parallel rank, causal work per rank.
 
 Built on them, the choosing chapter's cost model:
 
@@ -30,6 +33,14 @@ from parlib.cost.collectives import (
     message_time,
     per_link_alpha_beta,
     predicted_sent_bytes,
+)
+from parlib.cost.context import (
+    all_gather_kv_sent_bytes_per_layer,
+    causal_block_work,
+    cp_activation_bytes_per_layer,
+    kv_block_bytes,
+    ring_attention_sent_bytes_per_layer,
+    ring_sends_per_layer,
 )
 from parlib.cost.estimate import Estimate, estimate
 from parlib.cost.hardware import Hardware, Link
@@ -56,6 +67,7 @@ from parlib.cost.pipeline import (
     min_microbatches,
 )
 from parlib.cost.planner import best_layouts, candidate_layouts
+from parlib.cost.sharded import padded_numel, zero_sent_bytes_per_step
 from parlib.cost.tensor import tp_message_bytes, tp_sent_bytes_per_layer
 
 __all__ = [
@@ -68,6 +80,7 @@ __all__ = [
     "Model",
     "activation_bytes_per_layer",
     "adam_bytes_per_param",
+    "all_gather_kv_sent_bytes_per_layer",
     "best_layouts",
     "best_microbatches",
     "boundary_bytes",
@@ -75,13 +88,16 @@ __all__ = [
     "bubble_ratio",
     "bus_bandwidth",
     "candidate_layouts",
+    "causal_block_work",
     "collective_time",
+    "cp_activation_bytes_per_layer",
     "estimate",
     "fit_alpha_beta",
     "fixed_batch_step_time",
     "ideal_step_time",
     "imbalanced_step_time",
     "in_flight_microbatches",
+    "kv_block_bytes",
     "logits_bytes",
     "message_time",
     "microbatch_time",
@@ -89,8 +105,12 @@ __all__ = [
     "model_state_bytes",
     "model_state_bytes_by_kind",
     "model_state_bytes_per_param",
+    "padded_numel",
     "per_link_alpha_beta",
     "predicted_sent_bytes",
+    "ring_attention_sent_bytes_per_layer",
+    "ring_sends_per_layer",
     "tp_message_bytes",
     "tp_sent_bytes_per_layer",
+    "zero_sent_bytes_per_step",
 ]

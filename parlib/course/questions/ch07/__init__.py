@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 from parlib.course.questions.ch07 import layout, mesh, numbers
-from parlib.course.questions.ch07.layout import PICK_CLUSTER, PICK_MODEL, pick_layout_problems
+from parlib.course.questions.ch07.layout import PICK_HARDWARE, PICK_MODEL, pick_layout_problems
 from parlib.course.questions.ch07.mesh import MESH_SOLUTION, expected_position
 
-__all__ = ["MESH_SOLUTION", "PICK_CLUSTER", "PICK_MODEL", "expected_position", "layout", "mesh",
+__all__ = ["MESH_SOLUTION", "PICK_HARDWARE", "PICK_MODEL", "expected_position", "layout", "mesh",
            "numbers", "pick_layout_problems"]

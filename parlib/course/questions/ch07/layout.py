@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from parlib.cost import Cluster, Model, estimate
+from parlib.cost import Hardware, Layout, Model, estimate
 from parlib.course.question_types import WholeNumbers
 from parlib.course.registry import register
 
 GiB = 2**30
 
 PICK_MODEL = Model(60, 8192, 64, 2048, 32000, name="a 60-layer model")
-PICK_CLUSTER = Cluster.dgx_a100(64)
+PICK_HARDWARE = Hardware.dgx_a100(64)
 PICK_BATCH = 128  # sequences per step; m = PICK_BATCH / d microbatches of one sequence
 
 
 def pick_layout_problems(d: int, t: int, p: int) -> str | None:
     """None if (d, t, p) follows the rules taught, else the first rule it breaks."""
-    n, node = PICK_CLUSTER.n_devices, PICK_CLUSTER.devices_per_node
+    n, node = PICK_HARDWARE.n_devices, PICK_HARDWARE.devices_per_node
     if d * t * p != n:
         return f"d x t x p = {d} x {t} x {p} = {d * t * p}, but there are {n} GPUs"
     if t > node:
@@ -25,11 +25,11 @@ def pick_layout_problems(d: int, t: int, p: int) -> str | None:
         return f"t = {t} does not divide the {PICK_MODEL.n_heads} attention heads"
     if PICK_MODEL.n_layers % p:
         return f"p = {p} does not divide the {PICK_MODEL.n_layers} layers into equal stages"
-    est = estimate(PICK_MODEL, PICK_CLUSTER, d=d, t=t, p=p, m=PICK_BATCH // d,
+    est = estimate(PICK_MODEL, PICK_HARDWARE, Layout(dp=d, tp=t, pp=p), m=PICK_BATCH // d,
                    global_batch=PICK_BATCH)
     if not est.fits:
         return (f"it does not fit: {est.memory_total / GiB:.0f} GiB per GPU (cost.estimate) "
-                f"against {PICK_CLUSTER.memory_bytes / GiB:.1f} GiB")
+                f"against {PICK_HARDWARE.memory_bytes / GiB:.1f} GiB")
     return None
 
 
@@ -58,4 +58,4 @@ register(WholeNumbers(
 ))
 
 
-__all__ = ["PICK_CLUSTER", "PICK_MODEL", "pick_layout_problems"]
+__all__ = ["PICK_HARDWARE", "PICK_MODEL", "pick_layout_problems"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from parlib.cost import Layout
 from parlib.course.on_ranks import Case, Diagnosis, RankExercise, World, always
 from parlib.course.registry import register
-from parlib.strategies import mesh as meshlib
 
 MESH_SOLUTION = '''\
 def mesh_position(rank, d, t, p):
@@ -36,9 +36,10 @@ _LAYOUTS = [(2, 2, 2), (2, 4, 1), (4, 1, 2), (1, 2, 4), (3, 2, 2), (2, 3, 4), (4
 
 def expected_position(rank: int, d: int, t: int, p: int) -> dict[str, Any]:
     """The right answer, from :mod:`parlib.strategies.mesh` (the code the course runs)."""
-    c = meshlib.coords(rank, dp=d, pp=p, tp=t)
-    prev, nxt = meshlib.pipeline_neighbours(rank, dp=d, pp=p, tp=t)
-    return {**c, **{f"{a}_group": meshlib.axis_ranks(a, rank, dp=d, pp=p, tp=t)
+    layout = Layout(dp=d, tp=t, pp=p)
+    c = layout.coords(rank)
+    prev, nxt = layout.pipeline_neighbours(rank)
+    return {**c, **{f"{a}_group": layout.axis_ranks(a, rank)
                     for a in ("tp", "dp", "pp")}, "pp_prev": prev, "pp_next": nxt}
 
 
