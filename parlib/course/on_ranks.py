@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from parlib.course.question_types import DEFAULT_TIMEOUT_HINT, Implementation, current_timeout
@@ -78,14 +78,13 @@ class Case:
     """What a diagnosis looks at: one launch on ``world`` ranks (``results``, one report per
     rank), the single-device ``reference`` for that world, and where the first wrong number
     is (``rank`` and ``step``, a step number or the name of a part; both None when every
-    number is right). ``facts`` holds values a hint quotes."""
+    number is right)."""
 
     world: int
     results: list[Any]
     reference: Any
     rank: int | None = None
-    step: int | None = None
-    facts: dict[str, Any] = field(default_factory=dict)
+    step: int | str | None = None
     setting: World | None = None
 
     @property
@@ -97,8 +96,8 @@ class Case:
 @dataclass(frozen=True)
 class Diagnosis:
     """A named mistake: ``when(case)`` says whether the launch shows it, ``hint`` (a string,
-    formatted with ``world``, ``rank``, ``step`` (counted from 1) and the case's ``facts``, or
-    a function of the case) says what to change. ``right`` diagnoses are looked at only
+    formatted with ``world``, ``rank`` and ``step`` (a step counted from 1), or a function
+    of the case) says what to change. ``right`` diagnoses are looked at only
     when every number is right (a correct result reached the wrong way: too many bytes, the
     wrong collective); the others only when a number is wrong."""
 
@@ -111,7 +110,7 @@ class Diagnosis:
         if callable(self.hint):
             return self.hint(case)
         step = case.step + 1 if isinstance(case.step, int) else case.step
-        return self.hint.format(world=case.world, rank=case.rank, step=step, **case.facts)
+        return self.hint.format(world=case.world, rank=case.rank, step=step)
 
 
 def always(case: Case) -> bool:
@@ -160,9 +159,10 @@ def _stuck(err: RankError) -> bool:
 
 
 class RankExercise(Implementation):
-    """"Implement this on ranks": the learner's function runs on every world in ``worlds``
-    inside ``probe(fn)`` (a rank function returning that rank's report), and is judged
-    against ``reference(world)`` (built from :func:`parlib.verify.reference_run`).
+    """The question "implement this on ranks": the learner's function runs on every world
+    in ``worlds`` inside ``probe(fn, *world.args)`` (a rank function returning that rank's
+    report), and is judged against ``reference(world)`` (built from
+    :func:`parlib.verify.reference_run`; None where the probe compares on the ranks).
 
     ``first_wrong(case)`` finds the first wrong number: ``(rank, step)``, or None when all
     are right. Then the ``diagnoses`` are tried in order and the first that matches is the
