@@ -144,3 +144,12 @@ def test_slow_stage_sets_the_pace():
     predicted = cost.imbalanced_step_time([slow.stage_time(2, r) for r in range(2)], 4)
     assert predicted == pytest.approx(9 / 5 * cost.ideal_step_time(2, 4, base.stage_time(2)))
     assert 0.97 * predicted <= step <= 1.3 * predicted, (step, predicted)
+
+
+def test_neighbours_that_order_microbatches_differently_get_a_clear_error():
+    # Each op list is valid on its own; together they would pair rank 0's microbatch 0
+    # with rank 1's microbatch 1. That must be an error naming both, never silent.
+    from tests.helpers.rank_fns import pipeline_mixed_orders
+
+    with pytest.raises(parlib.RankError, match=r"(?s)microbatch 1.*microbatch 0"):
+        parlib.launch(pipeline_mixed_orders, world_size=2, timeout=60)

@@ -284,3 +284,12 @@ def _torch_tp_logits():
 
 def test_torch_parallelize_module_plan_gives_the_same_logits():
     assert parlib.launch(_torch_tp_logits, world_size=2)[0] < TOL
+
+
+def test_column_parallel_rejects_uneven_slices():
+    # 8/8/8/6 rows of a 30-row weight: the all-gather would abort a rank with gloo's
+    # "Received data size doesn't match expected size"; the constructor must say why.
+    from tests.helpers.rank_fns import column_parallel_uneven
+
+    with pytest.raises(parlib.RankError, match="ValueError.*30"):
+        parlib.launch(column_parallel_uneven, world_size=4, timeout=60)
