@@ -162,9 +162,7 @@ def torch_device_mesh_ranks(*, dp: int, pp: int, tp: int,
     same shape and dimension names ``("pp", "dp", "tp")``: to check :class:`Mesh` against."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parlib.runtime.policy import device as this_device
-
-    device_type = device_type or this_device().type
+    device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
     mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=AXES)
     return {axis: dist.get_process_group_ranks(mesh.get_group(axis)) for axis in AXES}
 
