@@ -8,8 +8,8 @@ import torch
 
 import parlib
 from parlib import measure, verify
-from parlib.model import ModelConfig, build_model, count_parameters, train_step
 from parlib.experiments import data as runs
+from parlib.model import ModelConfig, build_model, count_parameters, train_step
 from parlib.strategies import data as dp
 
 CFG = ModelConfig(seq_len=16, d_model=32, n_heads=2, n_layers=2)
