@@ -35,10 +35,9 @@ from parlib.strategies import tensor_ops as ops
 
 
 def _check_slices(local: int, full: int, group: Any, what: str) -> None:
-    """This rank holds exactly ``full / t`` of the ``what`` features. Uneven slices would
-    make the ranks disagree on message sizes in the all-gather of the outputs (or the
-    all-reduce of partial sums), which gloo answers by aborting a rank. Checked on every
-    rank without talking: if the slices differ, some rank's is not full / t."""
+    """This rank holds exactly ``full / t`` of the ``what`` features: uneven slices make the
+    ranks' messages disagree in size, which gloo answers by aborting a rank. (If the slices
+    differ, some rank's is not full / t, so no rank needs to talk.)"""
     rank, t = rank_and_size(group, "tensor parallelism")
     if local * t != full:
         raise ValueError(
@@ -316,9 +315,8 @@ def torch_tensor_parallel(model: TinyGPT, mesh: Any) -> TinyGPT:
 
 
 def split_dims(model: nn.Module) -> dict[str, int | None]:
-    """How tensor parallelism cut each of ``model``'s parameters (by name, as
-    ``model.named_parameters()``): the dimension of the full tensor it was split along, or
-    None when every rank holds it whole. The layers say so in their ``split_dims``."""
+    """How tensor parallelism cut each parameter of ``model`` (by name): the dimension of
+    the full tensor it was split along (the layers' ``split_dims``), or None if whole."""
     out: dict[str, int | None] = {}
     for mod_name, module in model.named_modules():
         dims = getattr(module, "split_dims", {})
