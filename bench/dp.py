@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import parlib
 from parlib import measure, verify
+from parlib.experiments import data as dp_runs
 from parlib.model import ModelConfig, train_step
 from parlib.plots import run_label
 from parlib.strategies import data as dp
@@ -44,16 +45,16 @@ def _race(kinds, cfg, global_batch, rounds, steps_per_round, bucket_mb):
     rank = dist.get_rank()
     dev = parlib.device()
     ref = verify.reference_params(cfg, steps=2, global_batch=global_batch, device=dev)
-    setups = {k: dp.setup(k, cfg, bucket_mb=bucket_mb, device=dev) for k in kinds}
+    setups = {k: dp_runs.setup(k, cfg, bucket_mb=bucket_mb, device=dev) for k in kinds}
     for k, (model, opt, sync) in setups.items():
         if k == "single":  # the no-sync floor: each rank alone, nothing to compare
             continue
         for step in range(2):
             x, y = dp.local_batch(global_batch, cfg, step, device=dev)
             train_step(model, opt, x, y, sync)
-        err = verify.max_abs_diff(model.parameters(), ref)
-        if err > 1e-5:
-            raise AssertionError(f"{k}: parameters differ from single-device by {err:.3g}")
+        verdict = verify.compare(list(model.parameters()), ref)
+        if not verdict.ok:
+            raise AssertionError(f"{k}: parameters differ from single-device: {verdict}")
     x, y = dp.local_batch(global_batch, cfg, 0, device=dev)
     times = {k: [] for k in kinds}
     order = list(kinds)

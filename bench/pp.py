@@ -19,11 +19,11 @@ import time
 
 import parlib
 from parlib import cost, verify
+from parlib.experiments import pipeline as pp_runs
 from parlib.measure.emulation import StageCost
 from parlib.measure.timeline import align, makespan, measured_bubble
 from parlib.model import ModelConfig
 from parlib.plots import run_label
-from parlib.strategies import pipeline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     for name in args.schedules:
         for m in args.ms:
-            res = parlib.launch(pipeline.rank_step, cfg, schedule_name=name, m=m,
+            res = parlib.launch(pp_runs.rank_step, cfg, schedule_name=name, m=m,
                                 batch_size=args.batch, cost=stage_cost, repeats=args.repeats,
                                 world_size=args.p, timeout=300)
-            got = pipeline.gather_grads(res)
+            got = pp_runs.gather_grads(res)
             same = verify.compare(got, ref["grads"])
             if not same:
                 raise SystemExit(f"{name} m={m}: gradients {same}")

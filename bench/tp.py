@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import parlib
-from parlib import measure
+from parlib import measure, verify
 from parlib.comm import quiet_renames
 from parlib.cost.tensor import tp_message_bytes, tp_sent_bytes_per_layer
 from parlib.model import ModelConfig, build_model, loss_fn, make_batch
@@ -34,15 +34,10 @@ from parlib.strategies.tensor import (
 )
 
 KINDS = ("ours", "dtensor")
-TOL = 1e-5
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _max_rel(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-3)).item() for k in b)
 
 
 def _step(model, opt, x, y) -> torch.Tensor:
@@ -68,20 +63,18 @@ def _race(cfg, batch, rounds, steps_per_round, lr=0.1):
     opts = {k: torch.optim.SGD(m.parameters(), lr=lr) for k, m in models.items()}
 
     # single-device reference: logits of step 0, parameters after two steps
-    ref = build_model(cfg).to(dev)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    ref = verify.reference_run(cfg, steps=2, batch=batch, lr=lr, device=dev, record=("logits",))
     batches = [tuple(a.to(dev) for a in make_batch(batch, cfg, s)) for s in range(2)]
-    ref_logits = [_step(ref, ref_opt, x, y).detach() for x, y in batches][0]
-    ref_params = {n: p.detach() for n, p in ref.named_parameters()}
     errors = {}
     for k, model in models.items():
         logits = [_step(model, opts[k], x, y).detach() for x, y in batches][0]
         params = {n: _full(p.detach()) for n, p in model.named_parameters()}
-        want = local_shards(model, ref_params) if k == "ours" else ref_params
-        errors[k] = max(_max_rel({"logits": _full(logits)}, {"logits": ref_logits}),
-                        _max_rel(params, want))
-        if errors[k] > TOL:
-            raise AssertionError(f"{k}: differs from single-device by {errors[k]:.3g}")
+        want = local_shards(model, ref.params) if k == "ours" else ref.params
+        verdict = verify.compare({"logits": _full(logits), **params},
+                                 {"logits": ref.logits[0], **want})
+        if not verdict.ok:
+            raise AssertionError(f"{k}: differs from single-device: {verdict}")
+        errors[k] = verdict.worst
 
     x, y = batches[0]
     times = {k: [] for k in KINDS}
@@ -121,7 +114,7 @@ def main(argv=None) -> None:
     rows = [[k, 1.0 / med[k], med[k] * 1e3, med["dtensor"] / med[k], errors[k]]
             for k in KINDS]
     print(measure.Table(
-        ["copy", "steps/s", "ms/step", "x DTensor", "max rel err vs 1 device"], rows,
+        ["copy", "steps/s", "ms/step", "x DTensor", "max abs err vs 1 device"], rows,
         title=f"Tensor-parallel training steps, b={args.batch}, s={cfg.seq_len}, "
               f"h={cfg.d_model}, L={cfg.n_layers} ({label}); checked first"))
 

@@ -17,7 +17,10 @@ The package, in layers (each imports only what is listed before it):
 - :mod:`parlib.runtime`: getting code onto ranks (launcher, warm ranks, ``%%ranks``).
 - :mod:`parlib.measure`: time, bytes, memory, timelines, emulated costs.
 - :mod:`parlib.model`: the shared tiny transformer, its data and training step.
-- :mod:`parlib.strategies`: data, pipeline (and later tensor) parallelism.
+- :mod:`parlib.strategies`: data, tensor and pipeline parallelism and their combination,
+  as code one could copy into a training script (torch, ``parlib.comm`` and the model only).
+- :mod:`parlib.experiments`: the chapters' harnesses around the strategies: launch, time,
+  pad with emulated costs, compare with the reference, tabulate.
 - :mod:`parlib.verify`: the single-device reference and the one comparison rule.
 - :mod:`parlib.plots`: the palette and every drawing.
 - :mod:`parlib.course`: questions, checks, grading, notebook building.

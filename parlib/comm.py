@@ -1,4 +1,4 @@
-"""Collectives under the names every torch version knows.
+"""Collectives under the names every torch version knows, and this rank's place in a group.
 
 torch 2.13 renamed ``reduce_scatter_tensor`` to ``reduce_scatter_single`` and
 ``all_gather_into_tensor`` to ``all_gather_single`` and deprecates the old names. This is
@@ -38,6 +38,22 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None,
     return getattr(dist, _ALL_GATHER)(output, input, group=group, async_op=async_op)
 
 
+def rank_and_size(group: Any = None, what: str = "this", *,
+                  required: bool = True) -> tuple[int, int]:
+    """(this rank's index in ``group``, the group's size); ``None`` is the default group.
+
+    With no process group running: a clear error naming ``what`` needs one, or ``(0, 1)``
+    (one rank on its own) when ``required=False``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if not required:
+            return 0, 1
+        raise RuntimeError(
+            f"{what} needs torch.distributed: the process group is not initialised. Run it on "
+            "ranks (parlib.launch, a Cluster, %%ranks or torchrun), not in the notebook itself."
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
 def quiet_renames() -> None:
     """Hide torch 2.13's deprecation warnings for the two renamed collectives."""
     warnings.filterwarnings(
@@ -46,4 +62,4 @@ def quiet_renames() -> None:
     )
 
 
-__all__ = ["all_gather", "quiet_renames", "reduce_scatter"]
+__all__ = ["all_gather", "quiet_renames", "rank_and_size", "reduce_scatter"]

@@ -16,10 +16,10 @@ ranks pool their gradients before the optimizer step. The pieces, from simplest 
 ``nn.Module`` shaped like torch's ``DistributedDataParallel``.
 
 Helpers shared with later chapters: :func:`shard_rows` / :func:`local_batch` (this rank's
-rows of the global batch) and :func:`setup` (a model, optimizer and gradient sync for each
-strategy). The training step is :func:`parlib.model.train_step`; the single-device run to
-check against is in :mod:`parlib.verify`. ``reduce_scatter`` and ``all_gather`` come from
-:mod:`parlib.comm`.
+rows of the global batch) and :func:`gradient_sync` (one sync by name; the experiments'
+``setup`` builds a model, optimizer and sync for each). The training step is
+:func:`parlib.model.train_step`; the single-device run to check against is in
+:mod:`parlib.verify`. ``reduce_scatter`` and ``all_gather`` come from :mod:`parlib.comm`.
 """
 
 from __future__ import annotations
@@ -31,16 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parlib.comm import all_gather, reduce_scatter
-from parlib.model import ModelConfig, build_model, make_batch, make_optimizer
-from parlib.runtime.policy import device as this_device
+from parlib.comm import all_gather, rank_and_size, reduce_scatter
+from parlib.model import ModelConfig, make_batch
 from parlib.strategies.zero import Zero1
-
-
-def _world(group: Any = None) -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
 
 
 def _params(model_or_params: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -74,7 +67,7 @@ def local_batch(
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share (B/N rows) of global batch ``step``: (tokens, targets) on ``device``."""
-    r, n = _world()
+    r, n = rank_and_size(required=False)
     rank = r if rank is None else rank
     world_size = n if world_size is None else world_size
     x, y = make_batch(global_batch, cfg, step, seed)
@@ -97,7 +90,7 @@ def allreduce_gradients(
     One all-reduce per parameter: simple, and slow when there are many small tensors,
     because each call pays the per-message latency.
     """
-    _, n = _world(group)
+    _, n = rank_and_size(group, required=False)
     for p in _params(model_or_params):
         if p.grad is None:  # unused this step: every rank must still join the collective
             p.grad = torch.zeros_like(p)
@@ -159,7 +152,7 @@ class Bucketed:
     ) -> None:
         self.params = _params(model_or_params)
         self.group = group
-        self.world_size = _world(group)[1]
+        self.world_size = rank_and_size(group, required=False)[1]
         first = None if first_bucket_mb is None else int(first_bucket_mb * 2**20)
         self.buckets = make_buckets(self.params, int(bucket_mb * 2**20), first)
         self.buffers = [
@@ -264,60 +257,28 @@ class Overlapped(Bucketed):
 
 
 # --------------------------------------------------------------------------------------
-# Training helpers and checks
+# One sync by name
 # --------------------------------------------------------------------------------------
 
 
-STRATEGIES = ("single", "naive", "bucketed", "overlapped", "ddp", "zero1")
+SYNC_KINDS = ("naive", "bucketed", "overlapped")
 
 
-def setup(
-    kind: str,
-    cfg: ModelConfig | None = None,
-    *,
-    seed: int = 0,
-    optimizer: str = "sgd",
-    lr: float = 0.1,
-    bucket_mb: float = 25.0,
-    device: torch.device | str | None = None,
-) -> tuple[nn.Module, Any, Callable[[], Any] | None]:
-    """A fresh model, its optimizer and its gradient sync for one strategy in ``STRATEGIES``.
-
-    Returns ``(model, optimizer, sync)`` ready for :func:`train_step`. ``"single"`` has no
-    sync (one device, or every rank on its own); ``"ddp"`` wraps the model in
-    ``DistributedDataParallel`` (which syncs inside backward); ``"zero1"`` returns a
-    :class:`Zero1` as the optimizer.
-    """
-    if device is None:
-        device = this_device()
-    model = build_model(cfg, seed).to(device)
-    sync: Callable[[], Any] | None = None
-    if kind == "single":
-        opt = make_optimizer(model.parameters(), optimizer, lr)
-    elif kind == "naive":
-        opt = make_optimizer(model.parameters(), optimizer, lr)
-        sync = lambda: allreduce_gradients(model)  # noqa: E731
-    elif kind == "bucketed":
-        opt = make_optimizer(model.parameters(), optimizer, lr)
-        sync = Bucketed(model, bucket_mb, first_bucket_mb=min(1.0, bucket_mb))
-    elif kind == "overlapped":
-        opt = make_optimizer(model.parameters(), optimizer, lr)
-        sync = Overlapped(model, bucket_mb, first_bucket_mb=min(1.0, bucket_mb))
-    elif kind == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        dev = torch.device(device)
-        ids = [dev.index if dev.index is not None else 0] if dev.type == "cuda" else None
-        model = DistributedDataParallel(
-            model, device_ids=ids
-        )  # production defaults (25 MiB buckets)
-        opt = make_optimizer(model.parameters(), optimizer, lr)
-    elif kind == "zero1":
-        cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam
-        opt = Zero1(model.parameters(), cls, lr=lr)
-    else:
-        raise ValueError(f"kind must be one of {STRATEGIES}, got {kind!r}")
-    return model, opt, sync
+def gradient_sync(kind: str, model_or_params: nn.Module | Iterable[torch.Tensor], *,
+                  group: Any = None, bucket_mb: float = 25.0,
+                  first_bucket_mb: float | None = 1.0) -> Callable[[], Any]:
+    """The gradient sync called ``kind`` (one of :data:`SYNC_KINDS`) over ``group``: a
+    callable that averages the gradients after backward. "naive": one all-reduce per
+    parameter; "bucketed": flat buckets of ``bucket_mb`` MiB (the first one
+    ``first_bucket_mb``); "overlapped": the same buckets all-reduced during backward (an
+    :class:`Overlapped`; calling it waits for them)."""
+    if kind == "naive":
+        return lambda: allreduce_gradients(model_or_params, group=group)
+    if kind == "bucketed":
+        return Bucketed(model_or_params, bucket_mb, group, first_bucket_mb)
+    if kind == "overlapped":
+        return Overlapped(model_or_params, bucket_mb, group, first_bucket_mb)
+    raise ValueError(f"unknown gradient sync {kind!r}; choose one of {SYNC_KINDS}")
 
 
 __all__ = [
@@ -329,7 +290,7 @@ __all__ = [
     "make_buckets",
     "Bucketed",
     "Overlapped",
+    "SYNC_KINDS",
     "Zero1",
-    "STRATEGIES",
-    "setup",
+    "gradient_sync",
 ]

@@ -22,10 +22,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from parlib.strategies.data import Bucketed, Overlapped, allreduce_gradients
-from parlib.strategies.zero import broadcast_tensors, require_process_group
+from parlib.comm import rank_and_size
+from parlib.strategies.data import SYNC_KINDS, Overlapped, gradient_sync
+from parlib.strategies.zero import broadcast_tensors
 
-SYNCS = ("overlapped", "bucketed", "naive", None)
+SYNCS = (*SYNC_KINDS, None)
 
 
 class DataParallel(nn.Module):
@@ -68,7 +69,7 @@ class DataParallel(nn.Module):
             raise ValueError(f"DataParallel: the module's parameters and buffers are on "
                              f"different devices ({', '.join(sorted(map(str, devices)))}); "
                              "move the whole module to one device (parlib.device()) first")
-        require_process_group(group, "DataParallel")
+        rank_and_size(group, "DataParallel")
         self.module = module
         self.group = group
         broadcast_tensors([*params, *module.buffers()], broadcast_from, group)
@@ -76,13 +77,11 @@ class DataParallel(nn.Module):
         trainable = [p for p in params if p.requires_grad]
         self._pooler: Callable[[], None] | None = None
         self._overlapped: Overlapped | None = None
-        if sync == "naive":
-            self._pooler = lambda: allreduce_gradients(trainable, group=group)
-        elif sync == "bucketed":
-            self._pooler = Bucketed(trainable, bucket_mb, group, first_bucket_mb)
-        elif sync == "overlapped":
-            self._overlapped = Overlapped(trainable, bucket_mb, group, first_bucket_mb)
-            self._pooler = self._overlapped.wait
+        if sync is not None:
+            self._pooler = gradient_sync(sync, trainable, group=group, bucket_mb=bucket_mb,
+                                         first_bucket_mb=first_bucket_mb)
+            if isinstance(self._pooler, Overlapped):  # its hooks pause under no_sync()
+                self._overlapped = self._pooler
         self.sync_kind = sync
         self._accumulating = False  # inside no_sync()
         self._grads_waiting = False  # a backward has run since the last sync

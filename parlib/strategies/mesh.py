@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from parlib.comm import rank_and_size
 from parlib.cost.layout import AXIS_NAMES, Layout, axis
 
 
@@ -32,14 +33,12 @@ class Mesh:
             raise ValueError(f"give a Layout or axis sizes, not both: got {layout!r} and "
                              f"{sizes}")
         self.layout = Layout.of(layout) if layout is not None else Layout(**sizes)
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("Mesh needs a process group: build it inside parlib.launch "
-                               "(or use parlib.cost.Layout for the arithmetic)")
-        world = dist.get_world_size()
+        # no process group: the error says where to run it (parlib.cost.Layout does the
+        # arithmetic without one)
+        self.rank, world = rank_and_size(None, "Mesh")
         if self.layout.world != world:
             raise ValueError(f"the layout {self.layout!r} is {self.layout.world} ranks, but "
                              f"the world has {world}: the product must equal the world size")
-        self.rank = dist.get_rank()
         self._coords = self.layout.coords(self.rank)
         self._ranks: dict[str, list[int]] = {}
         self._groups: dict[str, Any] = {}
@@ -90,10 +89,8 @@ def torch_device_mesh_ranks(layout: Layout, *,
     same shape and dimension names (in rank order): to check :class:`Mesh` against."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parlib.runtime.policy import device as this_device
-
     layout = Layout.of(layout)
-    device_type = device_type or this_device().type
+    device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
     mesh = init_device_mesh(device_type, tuple(layout.values()), mesh_dim_names=AXIS_NAMES)
     return {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in AXIS_NAMES}
 

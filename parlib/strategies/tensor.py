@@ -13,8 +13,9 @@ row-parallel layer) and one backward (f, before the column-parallel layer) per p
   by heads, MLP up by columns and down by rows; embeddings, LayerNorms and head replicated),
   optionally with sequence parallelism (Korthikanti et al. 2022).
 - :func:`torch_tensor_parallel`: the same split with PyTorch's ``parallelize_module``.
-- :func:`local_shards`: this rank's piece of any full tensor, by parameter name, to compare
-  a copy's parameters or gradients with the single-device model's.
+- :func:`split_dims` / :func:`shard_of` / :func:`local_shards`: how each parameter was cut,
+  and this rank's piece of any full tensor, to compare a copy's parameters or gradients
+  with the single-device model's.
 
 The operators themselves (f, g and the sequence-parallel pair) are in ``tensor_ops``.
 """
@@ -25,19 +26,25 @@ import copy
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parlib.comm import rank_and_size
 from parlib.model import MLP, Attention, Block, TinyGPT
 from parlib.strategies import tensor_ops as ops
 
 
-def group_rank_and_size(group: Any = None) -> tuple[int, int]:
-    """(this rank's index in ``group``, t); ``None`` is the default group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("tensor parallelism needs a process group: run inside parlib.launch")
-    return dist.get_rank(group), dist.get_world_size(group)
+def _check_slices(local: int, full: int, group: Any, what: str) -> None:
+    """This rank holds exactly ``full / t`` of the ``what`` features: uneven slices make the
+    ranks' messages disagree in size, which gloo answers by aborting a rank. (If the slices
+    differ, some rank's is not full / t, so no rank needs to talk.)"""
+    rank, t = rank_and_size(group, "tensor parallelism")
+    if local * t != full:
+        raise ValueError(
+            f"tensor parallelism over t={t} ranks: rank {rank} holds {local} of the "
+            f"{what}_features, but every rank must hold an equal slice of the full "
+            f"{what}_features={full} ({full}/{t}); cut the weight into t equal slices "
+            f"(from_linear does)")
 
 
 def _check_divides(t: int, size: int, what: str, why: str = "") -> None:
@@ -75,6 +82,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.enter_region = enter_region
         self.sequence_parallel = sequence_parallel
+        _check_slices(self.out_features, full_out_features, group, "out")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Any = None, gather_output: bool = False,
@@ -86,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
         all-gather) once for several layers that share one input, as q, k and v do.
         ``sequence_parallel``: the input arrives split along s and is all-gathered here.
         """
-        rank, t = group_rank_and_size(group)
+        rank, t = rank_and_size(group, "tensor parallelism")
         _check_divides(t, linear.out_features, "out_features")
         rows = linear.out_features // t
         cut = slice(rank * rows, (rank + 1) * rows)
@@ -126,13 +134,14 @@ class RowParallelLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.full_in_features = full_in_features
         self.sequence_parallel = sequence_parallel
+        _check_slices(self.in_features, full_in_features, group, "in")
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Any = None, *,
                     sequence_parallel: bool = False) -> RowParallelLinear:
         """This rank's row slice of ``linear`` (copied). ``sequence_parallel``: the output
         is reduce-scattered along s instead of all-reduced."""
-        rank, t = group_rank_and_size(group)
+        rank, t = rank_and_size(group, "tensor parallelism")
         _check_divides(t, linear.in_features, "in_features")
         cols = linear.in_features // t
         weight = linear.weight.detach()[:, rank * cols:(rank + 1) * cols].clone()
@@ -180,7 +189,7 @@ class TensorParallelAttention(Attention):
     def __init__(self, attn: Attention, group: Any = None,
                  sequence_parallel: bool = False) -> None:
         nn.Module.__init__(self)  # the layers are cut from ``attn``, not built from a config
-        _, t = group_rank_and_size(group)
+        _, t = rank_and_size(group, "tensor parallelism")
         heads = attn.q.out_features // attn.head_dim
         _check_divides(t, heads, "n_heads")
         self.head_dim = attn.head_dim
@@ -236,7 +245,7 @@ class TensorParallelGPT(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         cfg = model.cfg
-        _, t = group_rank_and_size(group)
+        _, t = rank_and_size(group, "tensor parallelism")
         _check_divides(t, cfg.n_heads, "n_heads")
         _check_divides(t, cfg.d_model, "d_model")
         _check_divides(t, cfg.mlp_ratio * cfg.d_model, "MLP width", "mlp_ratio * d_model")
@@ -305,21 +314,34 @@ def torch_tensor_parallel(model: TinyGPT, mesh: Any) -> TinyGPT:
     return model
 
 
+def split_dims(model: nn.Module) -> dict[str, int | None]:
+    """How tensor parallelism cut each parameter of ``model`` (by name): the dimension of
+    the full tensor it was split along (the layers' ``split_dims``), or None if whole."""
+    out: dict[str, int | None] = {}
+    for mod_name, module in model.named_modules():
+        dims = getattr(module, "split_dims", {})
+        for p_name, _ in module.named_parameters(recurse=False):
+            out[f"{mod_name}.{p_name}" if mod_name else p_name] = dims.get(p_name)
+    return out
+
+
+def shard_of(full: torch.Tensor, dim: int | None, index: int, t: int) -> torch.Tensor:
+    """The piece of ``full`` that tensor-parallel rank ``index`` of ``t`` holds when the
+    tensor is cut along ``dim`` (None: the whole tensor)."""
+    return full if dim is None else full.chunk(t, dim=dim)[index]
+
+
 def local_shards(tp_model: nn.Module, full: dict[str, torch.Tensor],
                  group: Any = None) -> dict[str, torch.Tensor]:
     """This rank's piece of each full tensor in ``full`` (keyed by parameter name, as
     ``model.named_parameters()`` of the single-device model), cut the way ``tp_model`` cut
     that parameter. Replicated parameters come back whole."""
-    rank, t = group_rank_and_size(group)
+    rank, t = rank_and_size(group, "tensor parallelism")
     out = {}
-    for mod_name, module in tp_model.named_modules():
-        dims = getattr(module, "split_dims", {})
-        for p_name, _ in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{p_name}" if mod_name else p_name
-            if name not in full:
-                raise KeyError(f"no full tensor for parameter {name!r}")
-            dim = dims.get(p_name)
-            out[name] = full[name] if dim is None else full[name].chunk(t, dim=dim)[rank]
+    for name, dim in split_dims(tp_model).items():
+        if name not in full:
+            raise KeyError(f"no full tensor for parameter {name!r}")
+        out[name] = shard_of(full[name], dim, rank, t)
     return out
 
 
@@ -330,8 +352,9 @@ __all__ = [
     "TensorParallelAttention",
     "TensorParallelGPT",
     "TensorParallelMLP",
-    "group_rank_and_size",
     "local_shards",
+    "shard_of",
+    "split_dims",
     "tensor_parallel_block",
     "tensor_parallel_copy",
     "torch_tensor_parallel",

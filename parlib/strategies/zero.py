@@ -27,17 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parlib.comm import all_gather, reduce_scatter
-
-
-def require_process_group(group: Any, what: str) -> tuple[int, int]:
-    """(rank, world size) in ``group``; a clear error when torch.distributed is not running."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            f"{what} needs torch.distributed: the process group is not initialised. Run it on "
-            "ranks (parlib.launch, a Cluster, %%ranks or torchrun), not in the notebook itself."
-        )
-    return dist.get_rank(group), dist.get_world_size(group)
+from parlib.comm import all_gather, rank_and_size, reduce_scatter
 
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int, group: Any = None) -> None:
@@ -115,7 +105,7 @@ class Zero1(torch.optim.Optimizer):
         broadcast_from: int = 0,
         **defaults: Any,
     ) -> None:
-        self.rank, self.world_size = require_process_group(group, "Zero1")
+        self.rank, self.world_size = rank_and_size(group, "Zero1")
         self.optimizer_cls = optimizer_cls
         self.group = group
         self.broadcast_from = broadcast_from
@@ -209,4 +199,4 @@ class Zero1(torch.optim.Optimizer):
             self.optimizer.load_state_dict(state_dict["shards"])
 
 
-__all__ = ["FlatShard", "Zero1", "broadcast_tensors", "require_process_group"]
+__all__ = ["FlatShard", "Zero1", "broadcast_tensors"]

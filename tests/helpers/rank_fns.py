@@ -174,3 +174,28 @@ def hog_gil_with_child(path):
 def call_with_rank(step):
     """A self-test: runs the learner's ``step`` (shipped as an argument)."""
     return step(dist.get_rank())
+
+
+def pipeline_mixed_orders():
+    """Two stages whose op lists are each valid but order the microbatches differently:
+    rank 0 runs F0 F1 B0 B1, rank 1 F1 F0 B1 B0."""
+    from parlib.model import ModelConfig, make_batch
+    from parlib.strategies.pipeline import build_stage, run_schedule
+    from parlib.strategies.schedules import BACKWARD, FORWARD, Op
+
+    cfg = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=2)
+    stage = build_stage(cfg, 0)
+    order = [0, 1] if dist.get_rank() == 0 else [1, 0]
+    ops = [Op(FORWARD, i) for i in order] + [Op(BACKWARD, i) for i in order]
+    tokens, targets = make_batch(8, cfg, 0, 0)
+    loss = run_schedule(stage, ops, tokens, targets, 2)
+    return loss, stage.grads()
+
+
+def column_parallel_uneven(gather_output=True):
+    """ColumnParallelLinear from uneven weight slices: 8/8/8/6 rows of a 30-row weight."""
+    from parlib.strategies.tensor import ColumnParallelLinear
+
+    rows = [8, 8, 8, 6][dist.get_rank()]
+    layer = ColumnParallelLinear(torch.ones(rows, 4), None, None, 30, gather_output)
+    return layer(torch.ones(2, 4)).shape

@@ -11,6 +11,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from parlib import cost  # noqa: E402
+from parlib.experiments.simulate import simulate  # noqa: E402
 from parlib.measure.timeline import (  # noqa: E402
     Recorder,
     Span,
@@ -21,7 +22,6 @@ from parlib.measure.timeline import (  # noqa: E402
     measured_bubble,
 )
 from parlib.plots import COLORS, draw_timeline  # noqa: E402
-from parlib.strategies import schedules as S  # noqa: E402
 
 
 def test_recorder_spans_in_order():
@@ -73,7 +73,7 @@ def test_measured_bubble_and_idle():
 
 def test_simulated_gpipe_bubble_is_formula():
     for m in (1, 4, 8):
-        assert measured_bubble(S.simulate("gpipe", 4, m)) == pytest.approx(
+        assert measured_bubble(simulate("gpipe", 4, m)) == pytest.approx(
             cost.bubble_fraction(4, m))
 
 
@@ -81,7 +81,7 @@ def test_draw_gantt(tmp_path):
     import matplotlib.pyplot as plt
     from matplotlib.colors import to_hex
 
-    spans = S.simulate("gpipe", 4, 8)
+    spans = simulate("gpipe", 4, 8)
     ax = draw_timeline(spans, unit="t", title="GPipe", caption="simulated", ideal=33.0)
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert labels == ["stage 3", "stage 2", "stage 1", "stage 0"]  # stage 0 on top

@@ -8,8 +8,8 @@ import pytest
 
 import parlib
 from parlib import verify
+from parlib.experiments import combined as C
 from parlib.model import ModelConfig
-from parlib.strategies import combined as C
 
 # heads and widths divide t = 1, 2, 4; layers divide p = 1, 2, 4
 CFG = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
@@ -23,18 +23,7 @@ def check(results, reference):
 
 @pytest.fixture(scope="module")
 def reference():
-    return C.single_device_history(CFG, steps=STEPS, global_batch=BATCH)
-
-
-def test_reference_history_matches_verify(reference):
-    from parlib.model import build_model
-
-    names = [n for n, _ in build_model(CFG).named_parameters()]
-    want = verify.reference_params(CFG, steps=STEPS, global_batch=BATCH)
-    assert verify.compare([reference["params"][n] for n in names], want).ok
-    step0 = verify.reference_step(CFG, batch_size=BATCH)
-    assert abs(step0["loss"] - reference["losses"][0]) < 1e-6
-    assert verify.compare(reference["grads"][0], step0["grads"]).ok
+    return verify.reference_run(CFG, steps=STEPS, batch=BATCH)
 
 
 @pytest.mark.parametrize("d,t,p", [(2, 2, 2), (1, 2, 4), (4, 1, 2), (2, 4, 1)])
@@ -44,7 +33,7 @@ def test_3d_training_equals_single_device(d, t, p, reference):
     verdict, checked = check(results, reference)
     assert verdict.ok, str(verdict)
     # every rank, every step, every gradient and parameter it holds, and the losses
-    n_params = len(reference["params"])
+    n_params = len(reference.params)
     assert checked >= (STEPS + 1) * n_params * d * t
     losses = [r["losses"] for r in results if r["coord"]["pp"] == p - 1]
     assert len(losses) == d * t and all(len(x) == STEPS and None not in x for x in losses)
@@ -53,11 +42,10 @@ def test_3d_training_equals_single_device(d, t, p, reference):
         assert r0["grads"][0]["blocks.0.mlp.up.weight"].shape[0] == 4 * CFG.d_model // t
 
 
-def test_the_check_rejects_wrong_results(reference):
+def test_the_check_rejects_wrong_results():
     results = parlib.launch(C.rank_train_3d, 2, 2, 2, cfg=CFG, steps=1, global_batch=BATCH,
                             m=M, world_size=8, timeout=300)
-    ref = {k: v[:1] if k != "params" else v for k, v in reference.items()}
-    ref["params"] = C.single_device_history(CFG, steps=1, global_batch=BATCH)["params"]
+    ref = verify.reference_run(CFG, steps=1, batch=BATCH)
     assert check(results, ref)[0].ok
     # DP gradients summed instead of averaged
     doubled = copy.deepcopy(results)

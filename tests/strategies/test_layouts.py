@@ -12,9 +12,9 @@ import torch
 import parlib
 from parlib import verify
 from parlib.cost import Hardware, Link, Model
+from parlib.experiments import layouts as L
 from parlib.measure.emulation import PacedCost, StageCost
 from parlib.model import ModelConfig
-from parlib.strategies import layouts as L
 
 SMALL = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
 TWO_RANKS = ({"d": 2, "t": 1, "p": 1, "m": 1}, {"d": 1, "t": 2, "p": 1, "m": 1},
@@ -79,7 +79,7 @@ def test_two_rank_layouts_match_one_device_and_take_their_emulated_time():
     cluster = Hardware.measured_here(2, allreduce_fit=(1e-4, 1e-9), fit_ranks=2,
                                      flops_per_second=rate)
     results = parlib.launch(L.rank_time_layouts, TWO_RANKS, cfg=SMALL, flops_per_second=rate,
-                            reference=reference, tolerance=(verify.RTOL, verify.ATOL),
+                            reference=reference,
                             repeats=2, warmup=0, world_size=2, timeout=120)
     rows = L.measured(results)
     assert all(r["ok"] for r in rows), [r["worst"] for r in rows]
@@ -100,7 +100,7 @@ def test_a_wrong_reference_is_rejected():
         reference["grads"][name])
     results = parlib.launch(L.rank_time_layouts, TWO_RANKS[1:2], cfg=SMALL,
                             flops_per_second=None, reference=reference,
-                            tolerance=(verify.RTOL, verify.ATOL), repeats=1, warmup=0,
+                            repeats=1, warmup=0,
                             world_size=2, timeout=120)
     row = L.measured(results)[0]
     assert not row["ok"] and row["worst"] >= 1e-3 * 0.99

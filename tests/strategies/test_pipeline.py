@@ -7,6 +7,7 @@ import torch
 
 import parlib
 from parlib import cost, verify
+from parlib.experiments import pipeline as runs
 from parlib.measure import SavedActivations
 from parlib.measure.emulation import StageCost
 from parlib.measure.timeline import align, makespan
@@ -73,7 +74,7 @@ def test_single_rank_schedule_equals_reference():
 
 
 def _run(p, name, m, **kw):
-    return parlib.launch(pipeline.rank_step, CFG, schedule_name=name, m=m, batch_size=8,
+    return parlib.launch(runs.rank_step, CFG, schedule_name=name, m=m, batch_size=8,
                          world_size=p,
                          timeout=60, **kw)
 
@@ -83,7 +84,7 @@ def test_pipeline_gradients_equal_single_device(p, name, m):
     res = _run(p, name, m, memory=True, warmup=0)
     ref = verify.reference_step(CFG, seed=0, batch_size=8)
     assert res[-1]["loss"] == pytest.approx(ref["loss"], rel=1e-5)
-    got = pipeline.gather_grads(res)
+    got = runs.gather_grads(res)
     assert sorted(got) == sorted(ref["grads"])
     same = verify.compare(got, ref["grads"])
     assert same, same
@@ -105,7 +106,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe():
 def test_emulated_cost_shows_pipelining():
     stage_cost = StageCost(0.010, 0.020, 0.002)  # per row, per row, per call
     res = _run(2, "gpipe", 4, cost=stage_cost, repeats=2)
-    spans = pipeline.median_run(res)
+    spans = runs.median_run(res)
     ideal = cost.ideal_step_time(2, 4, stage_cost.stage_time(2))  # 8 rows / 4 = 2 per mb
     # upper bound: room for late wake-ups on a busy 2-core machine (1.41 x measured at a load
     # of 40), still well under the unpipelined p x m x t = 1.6 x ideal
@@ -140,7 +141,16 @@ def test_slow_stage_sets_the_pace():
     base = StageCost(0.010, 0.020, 0.002)
     slow = base.with_slow_stage(1, 2.0)
     res = _run(2, "gpipe", 4, cost=slow, repeats=2)
-    step = makespan(pipeline.median_run(res))
+    step = makespan(runs.median_run(res))
     predicted = cost.imbalanced_step_time([slow.stage_time(2, r) for r in range(2)], 4)
     assert predicted == pytest.approx(9 / 5 * cost.ideal_step_time(2, 4, base.stage_time(2)))
     assert 0.97 * predicted <= step <= 1.3 * predicted, (step, predicted)
+
+
+def test_neighbours_that_order_microbatches_differently_get_a_clear_error():
+    # Each op list is valid on its own; together they would pair rank 0's microbatch 0
+    # with rank 1's microbatch 1. That must be an error naming both, never silent.
+    from tests.helpers.rank_fns import pipeline_mixed_orders
+
+    with pytest.raises(parlib.RankError, match=r"(?s)microbatch 1.*microbatch 0"):
+        parlib.launch(pipeline_mixed_orders, world_size=2, timeout=60)

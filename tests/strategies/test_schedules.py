@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from parlib import cost
+from parlib.experiments.simulate import simulate
 from parlib.measure.timeline import makespan, measured_bubble
 from parlib.strategies import schedules as S
 from parlib.strategies.schedules import BACKWARD, FORWARD, Op
@@ -49,14 +50,14 @@ def test_every_op_once_forward_before_backward(name, p, m):
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(1, 3), (2, 1), (4, 1), (4, 4), (4, 8), (8, 3)])
 def test_simulated_step_matches_formula(name, p, m):
-    spans = S.simulate(name, p, m, t_f=1.0, t_b=2.0)
+    spans = simulate(name, p, m, t_f=1.0, t_b=2.0)
     assert makespan(spans) == pytest.approx(cost.ideal_step_time(p, m, 3.0))
     assert measured_bubble(spans) == pytest.approx(cost.bubble_fraction(p, m))
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 4, 2), (4, 8, 2), (2, 4, 3), (4, 8, 4)])
 def test_interleaved_shrinks_bubble_by_v(p, m, v):
-    spans = S.simulate("interleaved", p, m, v=v, t_f=1.0, t_b=2.0)
+    spans = simulate("interleaved", p, m, v=v, t_f=1.0, t_b=2.0)
     assert makespan(spans) == pytest.approx(cost.ideal_step_time(p, m, 3.0, v))
     assert measured_bubble(spans) == pytest.approx(cost.bubble_fraction(p, m, v))
     assert cost.bubble_ratio(p, m, v) == pytest.approx((p - 1) / (v * m))
@@ -78,11 +79,11 @@ def test_peak_in_flight():
 def test_simulate_detects_deadlock():
     orders = {0: [Op(BACKWARD, 0), Op(FORWARD, 0)], 1: [Op(FORWARD, 0), Op(BACKWARD, 0)]}
     with pytest.raises(ValueError, match="deadlock"):
-        S.simulate(orders, 2, 1)
+        simulate(orders, 2, 1)
 
 
 def test_simulate_comm_delay_adds_to_critical_path():
-    spans = S.simulate("gpipe", 4, 1, t_f=1.0, t_b=2.0, t_comm=0.5)
+    spans = simulate("gpipe", 4, 1, t_f=1.0, t_b=2.0, t_comm=0.5)
     assert makespan(spans) == pytest.approx(12.0 + 2 * 3 * 0.5)
 
 

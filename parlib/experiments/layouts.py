@@ -31,14 +31,18 @@ import torch.distributed as dist
 from parlib.cost import Hardware, Layout, Model, estimate
 from parlib.cost.estimate import Estimate, check_layout
 from parlib.cost.model import BACKWARD_PER_FORWARD
+from parlib.experiments.combined import axis_traffic, stage_split_dims
+from parlib.experiments.pipeline import MeasuringHooks
 from parlib.measure.emulation import OVERRUN_SLACK, PacedCost, SlowLink, StageCost
 from parlib.measure.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
 from parlib.measure.timeline import Recorder
 from parlib.model import ModelConfig, build_model, make_batch, train_step
 from parlib.runtime.policy import device as this_device
-from parlib.strategies.combined import axis_traffic, build_3d, shard_of, split_dims, train_step_3d
+from parlib.strategies.combined import build_3d, train_step_3d
 from parlib.strategies.data import Bucketed
 from parlib.strategies.mesh import Mesh
+from parlib.strategies.tensor import shard_of
+from parlib.verify import close
 
 # Six ways to lay the tiny model on 4 ranks; m is microbatches per data-parallel rank.
 LAYOUTS: tuple[dict[str, int], ...] = (
@@ -151,11 +155,12 @@ class _CountedCost:
 def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
                       cfg: ModelConfig | None = None, global_batch: int = 8,
                       flops_per_second: float | None, link: tuple[float, float] | None = None,
-                      reference: dict[str, Any], tolerance: tuple[float, float],
+                      reference: dict[str, Any],
                       repeats: int = 5, warmup: int = 1, seed: int = 0) -> list[dict[str, Any]]:
     """Run on every rank of ``parlib.launch``: for each layout, one step checked against
-    ``reference`` (:func:`parlib.verify.reference_step` on the full batch; ``tolerance`` =
-    (rtol, atol)), with its memory measured, then ``warmup`` + ``repeats`` timed steps.
+    ``reference`` (:func:`parlib.verify.reference_step` on the full batch; compared with
+    :func:`parlib.verify.close`), with its memory measured, then ``warmup`` + ``repeats``
+    timed steps.
 
     ``flops_per_second``: the emulated device's rate (None: real compute, for one device
     per rank). ``link``: (alpha, beta) of an emulated slower link added to every message.
@@ -167,7 +172,6 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
     cfg = cfg or ModelConfig()
     world = dist.get_world_size()
     _check_layouts(layouts, world, cfg, global_batch)
-    rtol, atol = tolerance
     dev = this_device()
     shape = Model.from_config(cfg)
     out = []
@@ -185,14 +189,15 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
         tokens, targets = make_batch(global_batch, cfg, 0, seed)
         tracker = SavedActivations(stage)
         train_step_3d(stage, mesh, optimizer, tokens.to(dev), targets.to(dev), m,
-                      memory=tracker, sync=sync, mean_loss=False)
+                      hooks=MeasuringHooks(stage.rank, memory=tracker), sync=sync,
+                      mean_loss=False)
         worst, ok = 0.0, True
-        dims = split_dims(stage)
+        dims = stage_split_dims(stage)
         for name, g in stage.grads().items():
             want = shard_of(reference["grads"][name], dims[name], mesh.coord("tp"), t)
             g = g.detach().cpu()
             worst = max(worst, (g - want).abs().max().item())
-            ok = ok and torch.allclose(g, want, rtol=rtol, atol=atol)
+            ok = ok and close(g, want)
         memory = {"params": param_bytes(params), "grads": grad_bytes(params),
                   "optimizer": optimizer_state_bytes(optimizer),
                   "activations": tracker.peak}
@@ -211,8 +216,9 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
                 with axis_traffic(mesh, rec, pacer):  # times the all-reduces; pads skip them
                     dist.barrier()
                     start = time.perf_counter()
+                    hooks = MeasuringHooks(stage.rank, rec, cost)
                     train_step_3d(stage, mesh, optimizer, tokens.to(dev), targets.to(dev), m,
-                                  recorder=rec, cost=cost, sync=sync, mean_loss=False)
+                                  hooks=hooks, sync=sync, mean_loss=False)
                     if dev.type == "cuda":
                         torch.cuda.synchronize(dev)
                     took = time.perf_counter() - start

@@ -1,0 +1,10 @@
+"""Experiments on the strategies: harnesses that launch, time, pad with emulated costs,
+compare with the single-device reference and tabulate.
+
+The strategies (``parlib.strategies``) are the code a reader could copy into a training
+script; this layer wraps them for the course's measurements, one module per concept:
+``data`` (one setup per gradient-sync kind), ``pipeline`` (hooks that record a timeline
+and pad compute, one rank's experiment), ``torch_pipelining`` (the same stages under
+torch's own schedules), ``simulate`` (ideal schedule timelines), ``combined`` (a 3-D run
+and its comparison with the reference) and ``layouts`` (the choosing chapter's layouts).
+"""

@@ -1,0 +1,150 @@
+"""The combining chapter's experiment: a few 3-D training steps on every rank
+(:func:`rank_train_3d`), the traffic of each axis (:func:`axis_traffic`) and every rank's
+results paired with the single-device reference (:func:`pair_with_reference`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parlib.cost import predicted_sent_bytes
+from parlib.experiments.pipeline import MeasuringHooks
+from parlib.measure.emulation import PacedCost
+from parlib.measure.memory import SavedActivations, param_bytes
+from parlib.measure.timeline import Recorder, Span
+from parlib.model import ModelConfig, make_batch, make_optimizer
+from parlib.runtime.policy import device as this_device
+from parlib.strategies.combined import build_3d, train_step_3d
+from parlib.strategies.mesh import Mesh
+from parlib.strategies.pipeline import Stage
+from parlib.strategies.tensor import shard_of, split_dims
+from parlib.verify import History
+
+
+@contextmanager
+def axis_traffic(mesh: Mesh, recorder: Recorder, pacer: PacedCost | None = None
+                 ) -> Iterator[dict[str, dict[str, float]]]:
+    """While active, every ``dist.all_reduce`` on this rank is timed into ``recorder`` as a
+    span of kind "tp" or "dp" (by the mesh group it ran on) and counted: the yielded dict
+    gets, per axis, ``calls``, ``message_bytes`` and ``sent_bytes`` (the ring all-reduce's
+    2(N-1)/N of each message, :func:`parlib.cost.predicted_sent_bytes`). A ``pacer``
+    (emulated compute) is told when each tensor-parallel all-reduce begins, with the
+    communication recorded since its span began."""
+    groups = {"tp": mesh.group("tp"), "dp": mesh.group("dp")}
+    counts = {axis: {"calls": 0, "message_bytes": 0, "sent_bytes": 0.0} for axis in groups}
+    original = dist.all_reduce
+
+    def timed(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
+        axis = next((a for a, g in groups.items() if g is group), None)
+        if axis is None:
+            return original(tensor, *args, group=group, **kwargs)
+        if pacer is not None and axis == "tp":
+            pacer.before_point(recorder.seconds_since(pacer.started))
+        t0 = recorder._now()
+        out = original(tensor, *args, group=group, **kwargs)
+        recorder.spans.append(Span(recorder.rank, axis, t0, recorder._now()))
+        nbytes = tensor.numel() * tensor.element_size()
+        n = mesh.size(axis)
+        counts[axis]["calls"] += 1
+        counts[axis]["message_bytes"] += nbytes
+        counts[axis]["sent_bytes"] += predicted_sent_bytes("all_reduce", nbytes, n) or 0.0
+        return out
+
+    dist.all_reduce = timed
+    try:
+        yield counts
+    finally:
+        dist.all_reduce = original
+
+
+# --------------------------------------------------------------------------- a whole run
+
+
+def rank_train_3d(dp: int, pp: int, tp: int, *, cfg: ModelConfig | None = None,
+                  steps: int = 3, global_batch: int = 8, m: int = 2, seed: int = 0,
+                  lr: float = 0.1, record: bool = False) -> dict[str, Any]:
+    """Run on every rank of ``parlib.launch(..., world_size=dp*pp*tp)``: build the mesh and
+    this rank's part, train ``steps`` steps of :func:`train_step_3d` on batches 0..steps-1.
+
+    Returns ``rank``, ``coord`` (pp, dp, tp), ``groups`` (global ranks per axis),
+    ``losses`` (per step, last stage; None elsewhere), ``grads`` (per step, by full-model
+    name, this rank's shard), ``params`` (after the last step), ``split`` (dimension each
+    parameter is cut along). With ``record``: ``spans`` of the last step (compute, pp
+    send/recv, tp and dp all-reduces), ``traffic`` (bytes per axis, last step), ``pp_sent``
+    (bytes), ``param_bytes`` and ``peak_saved`` (activation bytes, last step).
+    """
+    cfg = cfg or ModelConfig()
+    mesh = Mesh(dp=dp, pp=pp, tp=tp)
+    dev = this_device()
+    stage = build_3d(mesh, cfg, seed, dev)
+    optimizer = make_optimizer(stage.parameters(), "sgd", lr)
+    out: dict[str, Any] = {"rank": mesh.rank, "device": str(dev), "backend": dist.get_backend(),
+                           "coord": {a: mesh.coord(a) for a in ("pp", "dp", "tp")},
+                           "groups": {a: mesh.ranks(a) for a in ("pp", "dp", "tp")},
+                           "losses": [], "grads": [], "split": stage_split_dims(stage)}
+    for step in range(steps):
+        tokens, targets = make_batch(global_batch, cfg, step, seed)
+        last = record and step == steps - 1
+        rec = Recorder(mesh.rank, dev)
+        tracker = SavedActivations(stage) if last else None
+        dist.barrier()
+        if last:
+            hooks = MeasuringHooks(stage.rank, rec, memory=tracker)
+            with axis_traffic(mesh, rec) as traffic:
+                loss = train_step_3d(stage, mesh, optimizer, tokens.to(dev), targets.to(dev),
+                                     m, hooks=hooks)
+            out.update(spans=rec.spans, traffic=traffic, pp_sent=sum(rec.sent.values()),
+                       param_bytes=param_bytes(stage.parameters()),
+                       peak_saved=tracker.peak)
+        else:
+            loss = train_step_3d(stage, mesh, optimizer, tokens.to(dev), targets.to(dev), m,
+                                 hooks=MeasuringHooks(stage.rank, rec))
+        out["losses"].append(loss)
+        out["grads"].append(stage.grads())
+    out["params"] = {stage.global_names[n]: prm.detach().cpu().clone()
+                     for n, prm in stage.named_parameters()}
+    dist.barrier()
+    return out
+
+
+def stage_split_dims(stage: Stage) -> dict[str, int | None]:
+    """:func:`parlib.strategies.tensor.split_dims` of a stage, by full-model name."""
+    return {stage.global_names[n]: dim for n, dim in split_dims(stage).items()}
+
+
+def pair_with_reference(results: Sequence[dict[str, Any]], reference: History
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(got, want): every rank's losses, per-step gradients and final parameters, and the
+    same pieces of ``reference`` (:func:`parlib.verify.reference_run` of the same steps,
+    batch and seed: the shard each rank should hold), keyed
+    alike ("rank 3 step 1 grad blocks.0.attn.q.weight"); compare them with
+    :func:`parlib.verify.compare`."""
+    got: dict[str, torch.Tensor] = {}
+    want: dict[str, torch.Tensor] = {}
+    for r in results:
+        rank, t = r["rank"], len(r["groups"]["tp"])
+        tp_index = r["coord"]["tp"]
+        for step, grads in enumerate(r["grads"]):
+            for name, g in grads.items():
+                key = f"rank {rank} step {step} grad {name}"
+                got[key] = g
+                want[key] = shard_of(reference.grads[step][name], r["split"][name],
+                                     tp_index, t)
+        for name, prm in r["params"].items():
+            key = f"rank {rank} param {name}"
+            got[key] = prm
+            want[key] = shard_of(reference.params[name], r["split"][name], tp_index, t)
+        for step, loss in enumerate(r["losses"]):
+            if loss is not None:
+                key = f"rank {rank} step {step} loss"
+                got[key] = torch.tensor(loss)
+                want[key] = torch.tensor(reference.losses[step])
+    return got, want
+
+
+__all__ = ["axis_traffic", "pair_with_reference", "rank_train_3d", "stage_split_dims"]
