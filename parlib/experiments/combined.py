@@ -5,18 +5,18 @@ results paired with the single-device reference (:func:`pair_with_reference`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from parlib.cost import predicted_sent_bytes
 from parlib.experiments.pipeline import MeasuringHooks
 from parlib.measure.emulation import PacedCost
 from parlib.measure.memory import SavedActivations, param_bytes
-from parlib.measure.timeline import Recorder, Span
+from parlib.measure.timeline import Recorder
+from parlib.measure.traffic import axis_traffic as measure_axis_traffic
 from parlib.model import ModelConfig, make_batch, make_optimizer
 from parlib.runtime.policy import device as this_device
 from parlib.strategies.combined import build_3d, train_step_3d
@@ -26,40 +26,15 @@ from parlib.strategies.tensor import shard_of, split_dims
 from parlib.verify import History
 
 
-@contextmanager
 def axis_traffic(mesh: Mesh, recorder: Recorder, pacer: PacedCost | None = None
-                 ) -> Iterator[dict[str, dict[str, float]]]:
-    """While active, every ``dist.all_reduce`` on this rank is timed into ``recorder`` as a
-    span of kind "tp" or "dp" (by the mesh group it ran on) and counted: the yielded dict
-    gets, per axis, ``calls``, ``message_bytes`` and ``sent_bytes`` (the ring all-reduce's
-    2(N-1)/N of each message, :func:`parlib.cost.predicted_sent_bytes`). A ``pacer``
-    (emulated compute) is told when each tensor-parallel all-reduce begins, with the
-    communication recorded since its span began."""
-    groups = {"tp": mesh.group("tp"), "dp": mesh.group("dp")}
-    counts = {axis: {"calls": 0, "message_bytes": 0, "sent_bytes": 0.0} for axis in groups}
-    original = dist.all_reduce
-
-    def timed(tensor: torch.Tensor, *args: Any, group: Any = None, **kwargs: Any) -> Any:
-        axis = next((a for a, g in groups.items() if g is group), None)
-        if axis is None:
-            return original(tensor, *args, group=group, **kwargs)
-        if pacer is not None and axis == "tp":
-            pacer.before_point(recorder.seconds_since(pacer.started))
-        t0 = recorder._now()
-        out = original(tensor, *args, group=group, **kwargs)
-        recorder.spans.append(Span(recorder.rank, axis, t0, recorder._now()))
-        nbytes = tensor.numel() * tensor.element_size()
-        n = mesh.size(axis)
-        counts[axis]["calls"] += 1
-        counts[axis]["message_bytes"] += nbytes
-        counts[axis]["sent_bytes"] += predicted_sent_bytes("all_reduce", nbytes, n) or 0.0
-        return out
-
-    dist.all_reduce = timed
-    try:
-        yield counts
-    finally:
-        dist.all_reduce = original
+                 ) -> AbstractContextManager[dict[str, dict[str, float]]]:
+    """:func:`parlib.measure.axis_traffic` on the mesh's groups (every axis but the
+    pipeline's, whose messages go rank to rank): while active, each collective on an axis'
+    group is a span of that axis' kind in ``recorder`` and is counted (``calls``,
+    ``message_bytes``, ``sent_bytes`` per axis). A ``pacer`` (emulated compute) is told when
+    each tensor-parallel collective begins."""
+    groups = {name: mesh.group(name) for name in mesh.layout if name != "pp"}
+    return measure_axis_traffic(groups, recorder, pacer, paced=("tp",))
 
 
 # --------------------------------------------------------------------------- a whole run

@@ -84,7 +84,6 @@ class Recorder:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    _now = now  # the old private name, until parlib.strategies.combined stops calling it
 
     @contextmanager
     def span(self, kind: str, mb: int | None = None, chunk: int = 0) -> Iterator[None]:

@@ -43,8 +43,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from parlib.comm import all_gather, reduce_scatter
-from parlib.strategies.zero import broadcast_tensors, require_process_group
+from parlib.comm import all_gather, rank_and_size, reduce_scatter
+from parlib.strategies.zero import broadcast_tensors
 
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -180,7 +180,7 @@ class FSDP(nn.Module):
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"FSDP: compute_dtype must be one of {COMPUTE_DTYPES}, "
                              f"got {compute_dtype!r}")
-        self.rank, self.world_size = require_process_group(group, "FSDP")
+        self.rank, self.world_size = rank_and_size(group, "FSDP")
         tensors = [*module.parameters(), *module.buffers()]
         if not any(p.requires_grad for p in module.parameters()):
             raise ValueError(f"FSDP: {type(module).__name__} has no trainable parameters")

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from parlib.comm import all_gather, reduce_scatter
+from parlib.comm import all_gather, rank_and_size, reduce_scatter
 from parlib.strategies.fsdp import FSDP, GatherUnit, Unit
-from parlib.strategies.zero import FlatShard, broadcast_tensors, require_process_group
+from parlib.strategies.zero import FlatShard, broadcast_tensors
 
 
 def unit_params(model: nn.Module, units: list[str] | None = None) -> list[list[torch.Tensor]]:
@@ -56,7 +56,7 @@ class Zero2:
                  optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam, *,
                  units: list[str] | None = None, group: Any = None, broadcast_from: int = 0,
                  **defaults: Any) -> None:
-        self.rank, self.world_size = require_process_group(group, "Zero2")
+        self.rank, self.world_size = rank_and_size(group, "Zero2")
         self.group = group
         broadcast_tensors([*model.parameters(), *model.buffers()], broadcast_from, group)
         groups = unit_params(model, units)
