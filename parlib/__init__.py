@@ -9,6 +9,8 @@ The pieces a learner uses:
 - ``check(question_id, answer)`` / ``explain(question_id)``: the exercises' auto-checks.
 - ``DataParallel(model)`` / ``Zero1(params, torch.optim.AdamW, lr=...)``: the chapter's data
   parallelism and ZeRO-1 as drop-ins for DistributedDataParallel and a sharded optimizer.
+- ``FSDP(model, compute_dtype=None)`` / ``Zero2(model, torch.optim.AdamW, units=..., lr=...)``:
+  sharded data parallelism (ZeRO-3 and ZeRO-2) as drop-ins.
 
 The package, in layers (each imports only what is listed before it):
 
@@ -17,17 +19,18 @@ The package, in layers (each imports only what is listed before it):
 - :mod:`parlib.runtime`: getting code onto ranks (launcher, warm ranks, ``%%ranks``).
 - :mod:`parlib.measure`: time, bytes, memory, timelines, emulated costs.
 - :mod:`parlib.model`: the shared tiny transformer, its data and training step.
-- :mod:`parlib.strategies`: data, tensor and pipeline parallelism and their combination,
-  as code one could copy into a training script (torch, ``parlib.comm`` and the model only).
+- :mod:`parlib.verify`: the single-device reference run and the one comparison rule.
+- :mod:`parlib.strategies`: data (plain and sharded), tensor, pipeline and context
+  parallelism and their combination, as code one could copy into a training script (torch,
+  ``parlib.comm``, the cost formulas and the model only).
 - :mod:`parlib.experiments`: the chapters' harnesses around the strategies: launch, time,
   pad with emulated costs, compare with the reference, tabulate.
-- :mod:`parlib.verify`: the single-device reference and the one comparison rule.
 - :mod:`parlib.plots`: the palette and every drawing.
 - :mod:`parlib.course`: questions, checks, grading, notebook building.
 
 ``check`` and ``explain`` load :mod:`parlib.course` on first use, so that ranks started
-by ``torchrun -m parlib.run`` never load the grader or IPython; ``DataParallel`` and ``Zero1``
-load :mod:`parlib.strategies` on first use.
+by ``torchrun -m parlib.run`` never load the grader or IPython; the drop-ins load
+:mod:`parlib.strategies` on first use.
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ __all__ = [
     "Cluster",
     "ColumnParallelLinear",
     "DataParallel",
+    "FSDP",
     "Mesh",
     "RankError",
     "RowParallelLinear",
     "Zero1",
+    "Zero2",
     "check",
     "device",
     "explain",
@@ -63,9 +68,11 @@ _LAZY = {
     "explain": "parlib.course.check",
     "ColumnParallelLinear": "parlib.strategies.tensor",
     "DataParallel": "parlib.strategies.data_parallel",
+    "FSDP": "parlib.strategies.fsdp",
     "Mesh": "parlib.strategies.mesh",
     "RowParallelLinear": "parlib.strategies.tensor",
     "Zero1": "parlib.strategies.zero",
+    "Zero2": "parlib.strategies.sharded",
 }
 
 

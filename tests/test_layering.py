@@ -1,8 +1,8 @@
 """parlib stays in layers: each layer imports only the layers beneath it.
 
 The layers, bottom up: cost (pure Python), chapters (data), comm, runtime, measure, model,
-strategies (importing only cost, comm, model and chapters: code to copy into a training
-script), verify, experiments, plots, course. Every ``import`` statement in a module counts,
+verify, strategies (importing only cost, comm, model and chapters: code to copy into a
+training script), experiments, plots, course. Every ``import`` statement in a module counts,
 including those inside functions: a lazy import is still a dependency.
 """
 

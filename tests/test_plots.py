@@ -19,13 +19,13 @@ def test_draw_collective_shapes():
 def test_timeline_draws_each_axis_communication_above_or_below_its_row():
     import matplotlib.pyplot as plt
 
-    from parlib.measure.timeline import KINDS, Span
+    from parlib.measure.timeline import AXES, KINDS, Span
     from parlib.plots import AXIS_STYLE, draw_timeline
 
-    assert set(AXIS_STYLE) <= set(KINDS)  # every axis' communication is a span kind
+    assert set(AXES) <= set(KINDS) and set(AXES) <= set(AXIS_STYLE)  # each axis is drawn
     spans = [[Span(0, "forward", 0.0, 1.0, 0), Span(0, "tp", 0.2, 0.3),
               Span(0, "dp", 1.0, 1.5)],
-             [Span(1, "forward", 0.0, 1.0, 0), Span(1, "ep", 0.4, 0.6)]]
+             [Span(1, "forward", 0.0, 1.0, 0), Span(1, "pp", 0.4, 0.6)]]
     ax = draw_timeline(spans, unit="s", row_labels=["rank 0 (tp 0)", "rank 1 (tp 1)"])
     boxes = {}  # (left, bottom, hatch) of every drawn strip
     for c in ax.collections:
@@ -34,11 +34,15 @@ def test_timeline_draws_each_axis_communication_above_or_below_its_row():
             boxes[round(x0, 3), round(y0, 2)] = c.get_hatch()
     assert boxes[0.2, 1.4] is None      # tp: above row 0 (y = 1, box top 1.4)
     assert boxes[1.0, 0.5] is None      # dp: below row 0 (box bottom 0.6, strip 0.1)
-    assert boxes[0.4, 0.4] == "xxxx"    # ep: above row 1, hatched (it shares tp's side)
+    assert boxes[0.4, -0.5] == "////"   # pp: below row 1, hatched (it shares dp's side)
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 1 (tp 1)", "rank 0 (tp 0)"]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "tp collectives (above the row)" in legend and "dp collectives (below the row)" \
-        in legend and not any(t.startswith("pp") for t in legend)
+        in legend and sorted(t.split()[0] for t in legend if "collectives" in t) == [
+            "dp", "pp", "tp"]
+    only_tp = draw_timeline([spans[0][:2]], unit="s")  # an axis not drawn has no legend entry
+    assert [t.get_text() for t in only_tp.get_legend().get_texts() if "collectives" in
+            t.get_text()] == ["tp collectives (above the row)"]
     with pytest.raises(ValueError, match="1 row labels for 2 rows"):
         draw_timeline(spans, row_labels=["one"])
     plt.close("all")

@@ -30,9 +30,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+from parlib.cost.layout import AXIS_NAMES
+
 COMPUTE = ("forward", "backward")
-# Communication on one parallelism axis' group: data, pipeline, tensor, context, expert.
-AXES = ("dp", "pp", "tp", "cp", "ep")
+# Communication on one parallelism axis' group: the axes are the cost layer's table.
+AXES = AXIS_NAMES
 COMM = ("send", "recv", *AXES)
 KINDS = (*COMPUTE, *COMM, "idle")
 

@@ -125,7 +125,7 @@ def _tp_with_row(fn: Callable, steps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from parlib.model import build_model
-    from parlib.strategies.tensor import local_shards, tensor_parallel_copy
+    from parlib.strategies.tensor import local_shards, shard_of, tensor_parallel_copy
 
     rank, t = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg(), SEED)
@@ -138,12 +138,12 @@ def _tp_with_row(fn: Callable, steps: int) -> dict[str, Any]:
     names = [n for n, _ in tp.named_parameters()]
 
     def columns(d: dict[str, Any]) -> dict[str, Any]:
-        """The learner's layers hold the full weight; only this rank's columns count."""
+        """The learner's layers hold the full weight; only this rank's columns count (a
+        row-parallel weight is cut along its input dimension, 1)."""
         out = dict(d)
         for n in names:
             if ".linear.weight" in n and out[n] is not None:
-                w = out[n].shape[1] // t
-                out[n] = out[n][:, rank * w:(rank + 1) * w]
+                out[n] = shard_of(out[n], 1, rank, t)
         return out
 
     def local(full: dict[str, torch.Tensor]) -> dict[str, Any]:
