@@ -114,8 +114,8 @@ def layouts_section(args: argparse.Namespace) -> None:
         print(f"\n{agree['within']} of 6 within 25%; {agree['pairs_same']} of "
               f"{agree['pairs']} pairs in the predicted order ({agree['separated_same']} of "
               f"{agree['separated']} pairs predicted > 10% apart); fastest predicted "
-              f"{L.layout_name(L.LAYOUTS[agree['best'][0]])}, measured "
-              f"{L.layout_name(L.LAYOUTS[agree['best'][1]])}")
+              f"{L.LAYOUTS[agree['best'][0]].layout}, measured "
+              f"{L.LAYOUTS[agree['best'][1]].layout}")
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {

@@ -5,13 +5,14 @@ results paired with the single-device reference (:func:`pair_with_reference`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from parlib.cost import Layout
 from parlib.experiments.pipeline import MeasuringHooks
 from parlib.measure.emulation import PacedCost
 from parlib.measure.memory import SavedActivations, param_bytes
@@ -40,13 +41,14 @@ def axis_traffic(mesh: Mesh, recorder: Recorder, pacer: PacedCost | None = None
 # --------------------------------------------------------------------------- a whole run
 
 
-def rank_train_3d(dp: int, pp: int, tp: int, *, cfg: ModelConfig | None = None,
+def rank_train_3d(layout: Layout | Mapping[str, int], *, cfg: ModelConfig | None = None,
                   steps: int = 3, global_batch: int = 8, m: int = 2, seed: int = 0,
                   lr: float = 0.1, record: bool = False) -> dict[str, Any]:
-    """Run on every rank of ``parlib.launch(..., world_size=dp*pp*tp)``: build the mesh and
+    """Run on every rank of ``parlib.launch(..., world_size=layout.world)``: build the mesh
+    of ``layout`` (a :class:`~parlib.cost.Layout` or a mapping from axis name to size) and
     this rank's part, train ``steps`` steps of :func:`train_step_3d` on batches 0..steps-1.
 
-    Returns ``rank``, ``coord`` (pp, dp, tp), ``groups`` (global ranks per axis),
+    Returns ``rank``, ``coord`` (index per axis), ``groups`` (global ranks per axis),
     ``losses`` (per step, last stage; None elsewhere), ``grads`` (per step, by full-model
     name, this rank's shard), ``params`` (after the last step), ``split`` (dimension each
     parameter is cut along). With ``record``: ``spans`` of the last step (compute, pp
@@ -54,13 +56,13 @@ def rank_train_3d(dp: int, pp: int, tp: int, *, cfg: ModelConfig | None = None,
     (bytes), ``param_bytes`` and ``peak_saved`` (activation bytes, last step).
     """
     cfg = cfg or ModelConfig()
-    mesh = Mesh(dp=dp, pp=pp, tp=tp)
+    mesh = Mesh(Layout.of(layout))
     dev = this_device()
     stage = build_3d(mesh, cfg, seed, dev)
     optimizer = make_optimizer(stage.parameters(), "sgd", lr)
     out: dict[str, Any] = {"rank": mesh.rank, "device": str(dev), "backend": dist.get_backend(),
-                           "coord": {a: mesh.coord(a) for a in ("pp", "dp", "tp")},
-                           "groups": {a: mesh.ranks(a) for a in ("pp", "dp", "tp")},
+                           "coord": {a: mesh.coord(a) for a in mesh.layout},
+                           "groups": {a: mesh.ranks(a) for a in mesh.layout},
                            "losses": [], "grads": [], "split": stage_split_dims(stage)}
     for step in range(steps):
         tokens, targets = make_batch(global_batch, cfg, step, seed)

@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from parlib.cost import Hardware, Layout, Model, estimate
 from parlib.cost.estimate import Estimate, check_layout
+from parlib.cost.layout import AXES
 from parlib.cost.model import BACKWARD_PER_FORWARD
 from parlib.experiments.combined import axis_traffic, stage_split_dims
 from parlib.experiments.pipeline import MeasuringHooks
@@ -44,14 +46,34 @@ from parlib.strategies.mesh import Mesh
 from parlib.strategies.tensor import shard_of
 from parlib.verify import close
 
-# Six ways to lay the tiny model on 4 ranks; m is microbatches per data-parallel rank.
-LAYOUTS: tuple[dict[str, int], ...] = (
-    {"d": 4, "t": 1, "p": 1, "m": 1},
-    {"d": 2, "t": 2, "p": 1, "m": 1},
-    {"d": 2, "t": 1, "p": 2, "m": 4},
-    {"d": 1, "t": 1, "p": 4, "m": 4},
-    {"d": 1, "t": 4, "p": 1, "m": 1},
-    {"d": 1, "t": 2, "p": 2, "m": 4},
+
+@dataclass(frozen=True)
+class Run:
+    """One layout as this experiment runs it: the :class:`~parlib.cost.Layout` (or a mapping
+    from axis name to size) and ``m``, the microbatches per data-parallel rank.
+    ``str(run)`` is the layout's name ("t=2 x d=2")."""
+
+    layout: Layout
+    m: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", Layout.of(self.layout))
+        if isinstance(self.m, bool) or not isinstance(self.m, int) or self.m < 1:
+            raise ValueError(f"{self.layout}: m={self.m!r} microbatches must be a whole "
+                             f"number >= 1")
+
+    def __str__(self) -> str:
+        return str(self.layout)
+
+
+# Six ways to lay the tiny model on 4 ranks.
+LAYOUTS: tuple[Run, ...] = (
+    Run(Layout(dp=4), m=1),
+    Run(Layout(dp=2, tp=2), m=1),
+    Run(Layout(dp=2, pp=2), m=4),
+    Run(Layout(pp=4), m=4),
+    Run(Layout(tp=4), m=1),
+    Run(Layout(tp=2, pp=2), m=4),
 )
 
 
@@ -61,29 +83,21 @@ def make_adam(params: Sequence[torch.Tensor] | Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3, fused=True)
 
 
-def layout_name(layout: dict[str, int]) -> str:
-    """The layout named by its axes bigger than one: "t=2 x d=2", "p=4", ..."""
-    return str(_layout(layout))
-
-
-def _layout(lay: dict[str, int]) -> Layout:
-    return Layout(dp=lay["d"], tp=lay["t"], pp=lay["p"])
-
-
-def _check_layouts(layouts: Sequence[dict[str, int]], world_size: int, cfg: ModelConfig,
+def _check_layouts(runs: Sequence[Run], world_size: int, cfg: ModelConfig,
                    global_batch: int) -> None:
     model = Model.from_config(cfg)
-    for lay in layouts:
-        if {"d", "t", "p", "m"} - set(lay):
-            raise ValueError(f"a layout needs d, t, p and m, got {lay}")
-        if lay["d"] * lay["t"] * lay["p"] != world_size:
-            raise ValueError(f"{layout_name(lay)}: d x t x p = "
-                             f"{lay['d'] * lay['t'] * lay['p']}, not the {world_size} ranks")
+    for run in runs:
+        if not isinstance(run, Run):
+            raise ValueError(f"a layout to run is a Run(Layout(...), m=...), got {run!r}")
+        layout = run.layout
+        if layout.world != world_size:
+            product = " x ".join(a.symbol for a in AXES)
+            raise ValueError(f"{layout}: {product} = {layout.world}, not the {world_size} "
+                             f"ranks")
         try:  # the cost model's rules: heads, layers and batch divide evenly
-            check_layout(model, world_size, _layout(lay), m=lay["m"],
-                         global_batch=global_batch)
+            check_layout(model, world_size, layout, m=run.m, global_batch=global_batch)
         except ValueError as err:
-            raise ValueError(f"{layout_name(lay)}: {err}") from None
+            raise ValueError(f"{layout}: {err}") from None
 
 
 # --------------------------------------------------------------------------- on the ranks
@@ -93,15 +107,15 @@ def _nothing() -> None:
     pass
 
 
-def emulated_device(model: Model, *, t: int, p: int, last: bool,
+def emulated_device(model: Model, layout: Layout, *, last: bool,
                     flops_per_second: float) -> StageCost | PacedCost:
-    """The emulated compute of one rank holding ``model.n_layers / p`` layers split t ways
-    (and the output layer if ``last``). With t > 1 each layer's attention and MLP halves
-    end in an all-reduce, so the compute is paced at those points: forward runs attention,
-    MLP, attention, MLP, ... then the output layer; backward runs the output layer and the
-    last MLP, then attention, MLP, ... back to the first attention. Backward pieces cost
-    ``BACKWARD_PER_FORWARD`` times their forward."""
-    layers, s = model.n_layers // p, model.seq_len
+    """The emulated compute of one rank of ``layout``: ``model.n_layers / pp`` layers split
+    t = ``layout.tp`` ways (and the output layer if ``last``). With t > 1 each layer's
+    attention and MLP halves end in an all-reduce, so the compute is paced at those points:
+    forward runs attention, MLP, attention, MLP, ... then the output layer; backward runs
+    the output layer and the last MLP, then attention, MLP, ... back to the first attention.
+    Backward pieces cost ``BACKWARD_PER_FORWARD`` times their forward."""
+    t, layers, s = layout.tp, model.n_layers // layout.pp, model.seq_len
     head = model.rank_forward_flops_per_token(layers=0, head=last) * s
     if t == 1:
         return StageCost.for_flops(model.rank_forward_flops_per_token(
@@ -152,7 +166,7 @@ class _CountedCost:
         return self.calls + getattr(self.cost, "points", 0)
 
 
-def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
+def rank_time_layouts(layouts: Sequence[Run] = LAYOUTS, *,
                       cfg: ModelConfig | None = None, global_batch: int = 8,
                       flops_per_second: float | None, link: tuple[float, float] | None = None,
                       reference: dict[str, Any],
@@ -164,10 +178,10 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
 
     ``flops_per_second``: the emulated device's rate (None: real compute, for one device
     per rank). ``link``: (alpha, beta) of an emulated slower link added to every message.
-    Returns one dict per layout: ``seconds`` (per timed step, this rank), ``memory``
-    (params, grads, optimizer, activations: bytes), ``worst`` (largest gradient error),
-    ``ok``, ``pieces`` and ``overruns`` (pieces of emulated compute, and those the real
-    compute outlasted).
+    Returns one dict per layout: ``layout`` and ``m`` (the run's), ``seconds`` (per timed
+    step, this rank), ``memory`` (params, grads, optimizer, activations: bytes), ``worst``
+    (largest gradient error), ``ok``, ``pieces`` and ``overruns`` (pieces of emulated
+    compute, and those the real compute outlasted).
     """
     cfg = cfg or ModelConfig()
     world = dist.get_world_size()
@@ -175,15 +189,15 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
     dev = this_device()
     shape = Model.from_config(cfg)
     out = []
-    for lay in layouts:
-        d, t, p, m = lay["d"], lay["t"], lay["p"], lay["m"]
-        mesh = Mesh(dp=d, pp=p, tp=t)
+    for run in layouts:
+        layout, m = run.layout, run.m
+        mesh = Mesh(layout)
         stage = build_3d(mesh, cfg, seed, dev)
         params = list(stage.parameters())
         optimizer = make_adam(params)
         # one flat all-reduce of every gradient (nothing to pool for d = 1)
         sync = (Bucketed(params, bucket_mb=1e9, group=mesh.group("dp"), first_bucket_mb=None)
-                if d > 1 else _nothing)
+                if layout.dp > 1 else _nothing)
 
         # 1. one step, checked against the single device, with its memory measured
         tokens, targets = make_batch(global_batch, cfg, 0, seed)
@@ -194,7 +208,7 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
         worst, ok = 0.0, True
         dims = stage_split_dims(stage)
         for name, g in stage.grads().items():
-            want = shard_of(reference["grads"][name], dims[name], mesh.coord("tp"), t)
+            want = shard_of(reference["grads"][name], dims[name], mesh.coord("tp"), layout.tp)
             g = g.detach().cpu()
             worst = max(worst, (g - want).abs().max().item())
             ok = ok and close(g, want)
@@ -204,7 +218,7 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
 
         # 2. timed steps on the emulated device (and link)
         device_cost = (None if flops_per_second is None else
-                       emulated_device(shape, t=t, p=p, last=stage.is_last,
+                       emulated_device(shape, layout, last=stage.is_last,
                                        flops_per_second=flops_per_second))
         cost = _CountedCost(device_cost) if device_cost is not None else None
         pacer = device_cost if isinstance(device_cost, PacedCost) else None
@@ -225,7 +239,7 @@ def rank_time_layouts(layouts: Sequence[dict[str, int]] = LAYOUTS, *,
                 if step >= warmup:
                     seconds.append(took)
                     parts.append(_parts(rec, took))
-        out.append({"layout": dict(lay), "seconds": seconds, "parts": parts, "memory": memory,
+        out.append({"layout": layout, "m": m, "seconds": seconds, "parts": parts, "memory": memory,
                     "worst": worst, "ok": ok, "pieces": cost.pieces if cost else 0,
                     "overruns": cost.late if cost else 0})
         dist.barrier()
@@ -253,22 +267,23 @@ def compute_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repea
     return flops / statistics.median(seconds)
 
 
-def predict(layouts: Sequence[dict[str, int]], cluster: Hardware, *,
+def predict(layouts: Sequence[Run], cluster: Hardware, *,
             cfg: ModelConfig | None = None, global_batch: int = 8) -> list[Estimate]:
     """The cost model's estimate of each layout as this experiment runs it: fp32, Adam,
     no ZeRO, no recomputation, no sequence parallelism, the sync after backward."""
     model = Model.from_config(cfg or ModelConfig())
-    return [estimate(model, cluster, _layout(lay), m=lay["m"],
+    return [estimate(model, cluster, run.layout, m=run.m,
                      global_batch=global_batch, mixed_precision=False,
-                     sequence_parallel=False, dp_overlap=False) for lay in layouts]
+                     sequence_parallel=False, dp_overlap=False) for run in layouts]
 
 
 def measured(results: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per layout, from every rank's :func:`rank_time_layouts` result: ``step_time`` (the
-    median over steps of the slowest rank's time), ``spread`` (interquartile range of those
-    per-step times, over the median), ``memory`` (the rank holding the most: bytes by
-    part), ``parts`` (seconds by kind, see ``_parts``: per kind the largest over ranks of
-    its median over steps), ``ok``, ``worst``, ``overruns`` and ``pieces``."""
+    """Per layout, from every rank's :func:`rank_time_layouts` result: ``layout`` and
+    ``m``, ``step_time`` (the median over steps of the slowest rank's time), ``spread``
+    (interquartile range of those per-step times, over the median), ``memory`` (the rank
+    holding the most: bytes by part), ``parts`` (seconds by kind, see ``_parts``: per kind
+    the largest over ranks of its median over steps), ``ok``, ``worst``, ``overruns`` and
+    ``pieces``."""
     rows = []
     for per_rank in zip(*results):
         steps = [max(times) for times in zip(*(r["seconds"] for r in per_rank))]
@@ -277,9 +292,9 @@ def measured(results: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]
         heaviest = max(per_rank, key=lambda r: sum(r["memory"].values()))
         parts = {k: max(statistics.median(step[k] for step in r["parts"]) for r in per_rank)
                  for k in per_rank[0]["parts"][0]}
-        rows.append({"layout": per_rank[0]["layout"], "step_time": med,
-                     "spread": (q[2] - q[0]) / med, "steps": steps, "parts": parts,
-                     "memory": heaviest["memory"],
+        rows.append({"layout": per_rank[0]["layout"], "m": per_rank[0]["m"],
+                     "step_time": med, "spread": (q[2] - q[0]) / med, "steps": steps,
+                     "parts": parts, "memory": heaviest["memory"],
                      "ok": all(r["ok"] for r in per_rank),
                      "worst": max(r["worst"] for r in per_rank),
                      "overruns": sum(r["overruns"] for r in per_rank),
@@ -322,7 +337,7 @@ def table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
         pred_states = e.memory["params"] + e.memory["grads"] + e.memory["optimizer"]
         pred_act = e.memory["activations"] + e.memory["pipeline_in_flight"]
         lines.append(
-            f"{layout_name(r['layout']):<10} {e.step_time * 1e3:>9.0f} "
+            f"{r['layout']:<10} {e.step_time * 1e3:>9.0f} "
             f"{r['step_time'] * 1e3:>9.0f} {r['spread']:>6.0%} "
             f"{r['step_time'] / e.step_time:>6.2f}   {states / 2**20:>10.2f} "
             f"{pred_states / 2**20:>6.2f} {mem['activations'] / 2**20:>8.2f} "
@@ -340,18 +355,18 @@ def parts_table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -
         pred = {"compute": e.time["compute"], "tp": e.time["tp_comm"],
                 "recv": e.time["pp_bubble"] + e.time["pp_send"], "dp": e.time["dp_sync"]}
         cells = [f"{pred[k] * 1e3:>5.0f}/{r['parts'][k] * 1e3:<5.0f}" for k in pred]
-        lines.append(f"{layout_name(r['layout']):<10} {' '.join(cells)} "
+        lines.append(f"{r['layout']:<10} {' '.join(cells)} "
                      f"{r['parts']['other'] * 1e3:>6.0f}")
     return "\n".join(lines)
 
 
 __all__ = [
     "LAYOUTS",
+    "Run",
     "agreement",
     "compute_rate",
     "emulated_device",
     "make_adam",
-    "layout_name",
     "measured",
     "parts_table",
     "predict",

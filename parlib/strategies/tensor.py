@@ -273,12 +273,9 @@ class TensorParallelGPT(nn.Module):
 
 def tensor_parallel_copy(model: TinyGPT, group: Any = None,
                          sequence_parallel: bool = False) -> TensorParallelGPT:
-    """``model`` split over the t ranks of ``group`` (``None``: the default group).
-
-    Attention by heads (q, k, v by columns, out by rows), MLP up by columns and down by
-    rows, embeddings, LayerNorms and head replicated. ``model`` is left untouched. Raises
-    ValueError naming the size that t does not divide.
-    """
+    """``model`` split over the t ranks of ``group`` (``None``: the default group): attention
+    by heads, the MLP by columns then rows, the rest replicated; ``model`` is left untouched.
+    Raises ValueError naming the size that t does not divide."""
     return TensorParallelGPT(model, group, sequence_parallel)
 
 
@@ -345,17 +342,7 @@ def local_shards(tp_model: nn.Module, full: dict[str, torch.Tensor],
     return out
 
 
-__all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "SequenceParallelLayerNorm",
-    "TensorParallelAttention",
-    "TensorParallelGPT",
-    "TensorParallelMLP",
-    "local_shards",
-    "shard_of",
-    "split_dims",
-    "tensor_parallel_block",
-    "tensor_parallel_copy",
-    "torch_tensor_parallel",
-]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceParallelLayerNorm",
+           "TensorParallelAttention", "TensorParallelGPT", "TensorParallelMLP", "local_shards",
+           "shard_of", "split_dims", "tensor_parallel_block", "tensor_parallel_copy",
+           "torch_tensor_parallel"]

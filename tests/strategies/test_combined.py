@@ -8,6 +8,7 @@ import pytest
 
 import parlib
 from parlib import verify
+from parlib.cost import Layout
 from parlib.experiments import combined as C
 from parlib.model import ModelConfig
 
@@ -28,7 +29,7 @@ def reference():
 
 @pytest.mark.parametrize("d,t,p", [(2, 2, 2), (1, 2, 4), (4, 1, 2), (2, 4, 1)])
 def test_3d_training_equals_single_device(d, t, p, reference):
-    results = parlib.launch(C.rank_train_3d, d, p, t, cfg=CFG, steps=STEPS,
+    results = parlib.launch(C.rank_train_3d, Layout(dp=d, tp=t, pp=p), cfg=CFG, steps=STEPS,
                             global_batch=BATCH, m=M, world_size=d * t * p, timeout=300)
     verdict, checked = check(results, reference)
     assert verdict.ok, str(verdict)
@@ -43,8 +44,8 @@ def test_3d_training_equals_single_device(d, t, p, reference):
 
 
 def test_the_check_rejects_wrong_results():
-    results = parlib.launch(C.rank_train_3d, 2, 2, 2, cfg=CFG, steps=1, global_batch=BATCH,
-                            m=M, world_size=8, timeout=300)
+    results = parlib.launch(C.rank_train_3d, Layout(dp=2, tp=2, pp=2), cfg=CFG, steps=1,
+                            global_batch=BATCH, m=M, world_size=8, timeout=300)
     ref = verify.reference_run(CFG, steps=1, batch=BATCH)
     assert check(results, ref)[0].ok
     # DP gradients summed instead of averaged

@@ -11,37 +11,38 @@ import torch
 
 import parlib
 from parlib import verify
-from parlib.cost import Hardware, Link, Model
+from parlib.cost import Hardware, Layout, Link, Model
 from parlib.experiments import layouts as L
 from parlib.measure.emulation import PacedCost, StageCost
 from parlib.model import ModelConfig
 
 SMALL = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4)
-TWO_RANKS = ({"d": 2, "t": 1, "p": 1, "m": 1}, {"d": 1, "t": 2, "p": 1, "m": 1},
-             {"d": 1, "t": 1, "p": 2, "m": 2})
+TWO_RANKS = (L.Run(Layout(dp=2), m=1), L.Run(Layout(tp=2), m=1), L.Run(Layout(pp=2), m=2))
 
 
 def test_the_six_layouts_are_every_split_of_four():
     every = {(d, t, p) for d, t, p in itertools.product((1, 2, 4), repeat=3) if d * t * p == 4}
-    assert {(x["d"], x["t"], x["p"]) for x in L.LAYOUTS} == every and len(L.LAYOUTS) == 6
-    assert [L.layout_name(x) for x in L.LAYOUTS[:2]] == ["d=4", "t=2 x d=2"]
+    got = {(x.layout.dp, x.layout.tp, x.layout.pp) for x in L.LAYOUTS}
+    assert got == every and len(L.LAYOUTS) == 6
+    assert [str(x.layout) for x in L.LAYOUTS[:2]] == ["d=4", "t=2 x d=2"]
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"d": 2, "t": 1, "p": 1, "m": 1}, "not the 4 ranks"),
-    ({"d": 4, "t": 1, "p": 1, "m": 3}, "not divisible"),
-    ({"d": 1, "t": 1, "p": 4}, "needs d, t, p and m"),
+    (lambda: L.Run(Layout(dp=2), m=1), "d=2: p x d x t = 2, not the 4 ranks"),
+    (lambda: L.Run(Layout(dp=4), m=3), "d=4: .*not divisible"),
+    (lambda: L.Run(Layout(pp=4), m=0), "p=4: m=0 microbatches must be"),
+    (lambda: {"dp": 1, "pp": 4}, "a layout to run is a Run"),
 ])
 def test_impossible_layouts_are_named(bad, message):
     with pytest.raises(ValueError, match=message):
-        L._check_layouts([bad], 4, ModelConfig(), 8)
+        L._check_layouts([bad()], 4, ModelConfig(), 8)
 
 
 @pytest.mark.parametrize("t, p, last", [(1, 1, True), (2, 1, True), (4, 1, True),
                                         (2, 2, False), (2, 2, True)])
 def test_emulated_device_does_the_ranks_flops(t, p, last):
     model = Model.from_config(ModelConfig())
-    device = L.emulated_device(model, t=t, p=p, last=last, flops_per_second=1e9)
+    device = L.emulated_device(model, Layout(tp=t, pp=p), last=last, flops_per_second=1e9)
     forward = model.rank_forward_flops_per_token(layers=4 // p, t=t, head=last) * 64 / 1e9
     assert device.duration("forward", 3) == pytest.approx(3 * forward)
     assert device.duration("backward", 3) == pytest.approx(6 * forward)
@@ -64,7 +65,7 @@ def test_agreement_counts_pairs_and_band():
 
 def test_measured_takes_the_slowest_rank_per_step():
     def result(seconds, params):
-        return [{"layout": {"d": 2, "t": 1, "p": 1, "m": 1}, "seconds": seconds,
+        return [{"layout": Layout(dp=2), "m": 1, "seconds": seconds,
                  "parts": [{"compute": s, "other": 0.0} for s in seconds],
                  "memory": {"params": params}, "ok": True, "worst": 0.0, "pieces": 2,
                  "overruns": 0}]
