@@ -16,55 +16,19 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import parlib
 from parlib import verify
 from parlib.strategies.data import shard_rows
 from parlib.strategies.fsdp import FSDP
+from tests.helpers.toy_model import RANK0_SEED, K, N, global_batch, seeded_toy
 
-VOCAB, D, B, K = 16, 8, 8, 3  # vocabulary, width, global batch rows, steps
-N = 2
-RANK0_SEED = 100
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # bf16 keeps 8 bits of mantissa (relative rounding 2**-8 = 0.4%), fp16 11 bits; the ranks sum
 # their halves of the gradient in that dtype where one device rounds the whole-batch sum once
 LOW_PRECISION_TOL = {"bf16": (2e-2, 2e-3), "fp16": (5e-3, 5e-4)}  # (rtol, atol) on weights
 CASES = [(opt, dt) for opt in ("sgd", "adamw") for dt in DTYPES]
-
-
-class Toy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
-        self.frozen = nn.Linear(D, D)
-        self.frozen.requires_grad_(False)
-        self.hidden = nn.Linear(D, D)
-        self.extra = nn.Linear(D, D)  # only rows with flag=1 use it
-        self.head = nn.Linear(D, VOCAB, bias=False)
-        self.head.weight = self.embed.weight  # tied
-        self.register_buffer("scale", 1 + 0.1 * torch.randn(D))
-
-    def forward(self, tokens: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.frozen(self.embed(tokens) * self.scale))
-        h = torch.tanh(self.hidden(h))
-        if flag.any():  # rank 1's rows never do: its `extra` gets no gradient at all
-            h = h + flag[:, None].to(h.dtype) * self.extra(h)
-        return self.head(h)
-
-
-def seeded_toy(seed: int) -> Toy:
-    torch.manual_seed(seed)
-    return Toy()
-
-
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(VOCAB, (B,), generator=g)
-    targets = torch.randint(VOCAB, (B,), generator=g)
-    flag = (torch.arange(B) < B // N).float()  # rank 0's rows
-    return tokens, targets, flag
 
 
 def make_optimizer(named: list[tuple[str, torch.Tensor]], kind: str) -> torch.optim.Optimizer:
