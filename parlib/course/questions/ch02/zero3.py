@@ -1,0 +1,383 @@
+"""02.zero3_linear: one ZeRO-3 unit (a linear layer): all-gather the shard, compute, free;
+in backward gather again and reduce-scatter the gradient. Trained as every linear layer of a
+TinyGPT's blocks, on 2 and 4 ranks and on two 2-rank sub-groups of 4 ranks, against
+single-device training; the gathered weights kept and the gradient buffers are measured."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from parlib.course.on_ranks import Case, Diagnosis, RankExercise, World, always, off_by
+from parlib.course.registry import register
+from parlib.verify import close, reference_run
+
+CFG_KW = dict(seq_len=8, d_model=16, n_heads=2, n_layers=2)
+BATCH = 8  # global batch: divides by 2 and 4
+STEPS = 3
+LR = 0.1
+SEED = 3
+WORLDS = (2, 4)
+_LINEARS = ("attn.q", "attn.k", "attn.v", "attn.out", "mlp.up", "mlp.down")
+
+ZERO3_SOLUTION = '''\
+def zero3_linear(x, shard, group=None):
+    """y = x @ W.T, with W all-gathered from every rank's rows; shard.grad: my rows'
+    share of dL/dW, averaged over the group."""
+
+    class Zero3Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, shard):
+            n = dist.get_world_size(group)
+            weight = torch.empty(n * shard.shape[0], shard.shape[1])
+            comm.all_gather(weight, shard, group=group)     # every rank's rows, in order
+            ctx.save_for_backward(x, shard)                 # the shard, not the full W
+            return x @ weight.T                             # W is freed on return
+
+        @staticmethod
+        def backward(ctx, grad_y):
+            x, shard = ctx.saved_tensors
+            n = dist.get_world_size(group)
+            weight = torch.empty(n * shard.shape[0], shard.shape[1])
+            comm.all_gather(weight, shard, group=group)     # gathered again for backward
+            grad_x = grad_y @ weight
+            grad_w = grad_y.T @ x                           # (out, in): my batch's dL/dW
+            grad_shard = torch.empty_like(shard)
+            comm.reduce_scatter(grad_shard, grad_w, group=group)  # sum of my rows only
+            return grad_x, grad_shard / n                   # the sum -> the average
+
+    return Zero3Linear.apply(x, shard)
+'''
+
+
+def cfg():
+    from parlib.model import ModelConfig
+
+    return ModelConfig(**CFG_KW)
+
+
+class _Recorder:
+    """Every collective the learner's unit issues while ``on``: the op and weakrefs to the
+    tensors it wrote (the gathered weights, the reduced gradients)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: list[tuple[str, int, list[weakref.ref], bool]] = []
+
+    def around(self, call: Any, proceed: Callable[[], Any]) -> Any:
+        result = proceed()
+        if self.on:
+            args = call.arguments
+            keys = [k for k in ("output_tensor", "output", "tensor", "tensor_list") if k in args]
+            out = args[keys[0]] if keys else result  # a functional collective returns it
+            outs = [t for t in (out if isinstance(out, (list, tuple)) else [out])
+                    if isinstance(t, torch.Tensor)]
+            self.calls.append((call.op, sum(t.numel() * t.element_size() for t in outs),
+                               [weakref.ref(t) for t in outs], not keys))
+        return result
+
+
+class _Unit(torch.nn.Module):
+    """A linear layer as one ZeRO-3 unit: this rank's rows of the weight (the shard) and the
+    bias (replicated), driven by the learner's zero3_linear."""
+
+    def __init__(self, linear: torch.nn.Linear, fn: Callable, group: Any, rank: int,
+                 n: int) -> None:
+        super().__init__()
+        rows = linear.out_features // n
+        self.shard = torch.nn.Parameter(linear.weight.detach()[rank * rows:(rank + 1) * rows]
+                                        .clone())
+        self.bias = linear.bias
+        self.out_features = linear.out_features  # attention counts its heads from it
+        self.fn, self.group = fn, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fn(x.reshape(-1, x.shape[-1]), self.shard, self.group)
+        return y.reshape(*x.shape[:-1], -1) + self.bias
+
+
+def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
+    """STEPS steps of data-parallel SGD over ``group`` with every block linear a learner's
+    unit; the replicated parameters' gradients averaged by the harness."""
+    import torch.distributed as dist
+
+    from parlib.measure.intercept import observing
+    from parlib.model import build_model, loss_fn
+    from parlib.strategies import data as dp
+
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    model = build_model(cfg(), seed)
+    for block in model.blocks:
+        for path in _LINEARS:
+            parent, name = path.split(".")
+            owner = getattr(block, parent)
+            setattr(owner, name, _Unit(getattr(owner, name), fn, group, rank, n))
+    named = dict(model.named_parameters())
+    shards = [k for k in named if k.endswith(".shard")]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    rec = _Recorder()
+    out: dict[str, Any] = {"logits": [], "grads": [], "rank": rank, "n": n}
+    with observing(rec):
+        for step in range(STEPS):
+            x, y = dp.local_batch(BATCH, cfg(), step, seed, rank=rank, world_size=n)
+            opt.zero_grad(set_to_none=True)
+            rec.on = True
+            logits = model(x)
+            rec.on = False
+            if step == 0:  # what the units still hold between forward and backward
+                gc.collect()  # reachable only: a cycle's garbage is not held
+                out["kept_bytes"] = sum(r().numel() * r().element_size()
+                                        for op, _, refs, _ in rec.calls if op == "all_gather"
+                                        for r in refs if r() is not None)
+                out["forward_ops"] = [(op, functional) for op, _, _, functional in rec.calls]
+                rec.calls.clear()
+            rec.on = True
+            try:
+                loss_fn(logits, y).backward()
+            except RuntimeError as exc:
+                if "invalid gradient" not in str(exc):
+                    raise
+                return {**out, "error": str(exc).splitlines()[0]}
+            finally:
+                rec.on = False
+            if step == 0:
+                out["backward_ops"] = [(op, nbytes) for op, nbytes, _, _ in rec.calls]
+                rec.calls.clear()
+                grad = named[shards[0]].grad
+                out["grad_storage"] = (None if grad is None else
+                                       grad.untyped_storage().nbytes())
+                out["shard_bytes"] = named[shards[0]].numel() * 4
+                out["shard_name"] = shards[0]
+            for k, p in named.items():  # replicated: plain data parallelism, averaged
+                if k not in shards:
+                    dist.all_reduce(p.grad, group=group)
+                    p.grad /= n
+            out["logits"].append(logits.detach().clone())
+            out["grads"].append({k: None if p.grad is None else p.grad.detach().clone()
+                                 for k, p in named.items()})
+            opt.step()
+    out["params"] = {k: p.detach().clone() for k, p in named.items()}
+    return out
+
+
+def _zero3_rank(fn: Callable, setting: str) -> dict[str, Any]:
+    """On each rank: ``"world"``, the default group; ``"pairs"``, ranks {0, 1} and {2, 3}
+    as two groups training apart (different seeds)."""
+    import torch.distributed as dist
+
+    if setting == "world":
+        return _train(fn, None, SEED)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = dist.get_rank() // 2
+    try:
+        return {**_train(fn, groups[pair], SEED + pair), "pair": pair}
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a group ignored shows up as any error
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}", "pair": pair,
+                "in_group": True}
+
+
+@functools.lru_cache(maxsize=None)
+def _history(seed: int) -> Any:
+    return reference_run(cfg(), steps=STEPS, batch=BATCH, lr=LR, seed=seed,
+                         record=("logits",))
+
+
+def _reference(world: World) -> Any:
+    return {0: _history(SEED)} if world.args[0] == "world" else {
+        0: _history(SEED), 1: _history(SEED + 1)}
+
+
+def _ref_name(name: str) -> str:
+    return name.replace(".shard", ".weight")
+
+
+def _mine(full: torch.Tensor, name: str, rank: int, n: int) -> torch.Tensor:
+    """This rank's piece of a reference tensor: its rows for a shard, all of it otherwise."""
+    if not name.endswith(".shard"):
+        return full
+    rows = full.shape[0] // n
+    return full[rank * rows:(rank + 1) * rows]
+
+
+def _first_wrong(case: Case) -> tuple[int, Any] | None:
+    for rank, res in enumerate(case.results):
+        if "error" in res:
+            return rank, ("error", 0, None)
+        ref = case.reference[res.get("pair", 0)]
+        r, n = res["rank"], res["n"]
+        for step in range(STEPS):
+            rows = BATCH // n
+            if not close(res["logits"][step], ref.logits[step][r * rows:(r + 1) * rows]):
+                return rank, ("logits", step, None)
+            for name, got in res["grads"][step].items():
+                want = _mine(ref.grads[step][_ref_name(name)], name, r, n)
+                if got is None or not close(got, want):
+                    return rank, ("grad", step, name)
+        for name, got in res["params"].items():
+            if not close(got, _mine(ref.params[_ref_name(name)], name, r, n)):
+                return rank, ("param", STEPS - 1, name)
+    return None
+
+
+def _kind(case: Case) -> str:
+    return case.step[0]
+
+
+def _grads(case: Case) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(the learner's gradient, this rank's piece of the reference, the full reference)."""
+    _, step, name = case.step
+    res = case.report
+    full = case.reference[res.get("pair", 0)].grads[step][_ref_name(name)]
+    return res["grads"][step][name], _mine(full, name, res["rank"], res["n"]), full
+
+
+def _is_shard_grad(case: Case) -> bool:
+    return _kind(case) == "grad" and case.step[2].endswith(".shard")
+
+
+def _wrong_dim(case: Case) -> bool:
+    got, want, full = _grads(case)
+    res = case.report
+    if got is None or full.shape[1] % res["n"]:
+        return False
+    cols = full.shape[1] // res["n"]
+    columns = full[:, res["rank"] * cols:(res["rank"] + 1) * cols].reshape(want.shape)
+    return off_by(got, columns, 1) or off_by(got, columns, res["n"])
+
+
+def _functional(case: Case) -> bool:
+    """Did the forward call a functional collective (one autograd differentiates)?"""
+    return any(functional for res in case.results for _, functional in
+               res.get("forward_ops", []))
+
+
+def _ops(case: Case, which: str) -> list[str]:
+    return [op for op, _ in case.results[0][which]]
+
+
+def _all_reduced(case: Case) -> str:
+    rank, res = next((r, res) for r, res in enumerate(case.results)
+                     if any(op == "all_reduce" for op, _ in res["backward_ops"]))
+    biggest = max(nbytes for op, nbytes in res["backward_ops"] if op == "all_reduce")
+    return (f"your numbers are right, but rank {rank}'s backward all-reduced the whole "
+            f"gradient: it held {biggest} bytes of reduced gradient per unit where a "
+            f"reduce-scatter leaves it the shard's {res['shard_bytes']} ({case.world} times "
+            f"the memory; shard.grad keeps {res['grad_storage']} bytes of storage). ZeRO "
+            f"shards the gradients: reduce-scatter them, so that rank r receives only the "
+            f"sum of its own rows (comm.reduce_scatter)")
+
+
+def _kept(case: Case) -> str:
+    rank, res = max(enumerate(case.results), key=lambda item: item[1]["kept_bytes"])
+    return (f"your numbers are right, but after the forward pass rank {rank} still holds "
+            f"{res['kept_bytes']} bytes of gathered weights (every unit's full W): "
+            f"ZeRO-3 frees each unit's weights as soon as its forward returns. Save the shard "
+            f"(ctx.save_for_backward(x, shard), not the gathered weight) and all-gather "
+            f"again in backward")
+
+
+def _ignores_group(case: Case) -> str:
+    what = case.report.get("error") or "its numbers differ from its pair's single-device run"
+    return (f"right on the whole world, but wrong when the unit's group is a sub-group "
+            f"(ranks {{0, 1}} and {{2, 3}} as two groups; rank {case.rank}: {what}). Pass "
+            f"group=group to every collective and use dist.get_world_size(group)")
+
+
+DIAGNOSES = [
+    Diagnosis("ignores_group", lambda c: c.setting.args[0] == "pairs", _ignores_group),
+    Diagnosis("full_parameter_gradient", lambda c: _kind(c) == "error",
+              lambda c: f"rank {c.rank}: {c.report['error']}. Each rank keeps and updates "
+              f"only its shard, the rows it owns: backward must return the gradient of the "
+              f"shard (shard's shape), not of the whole weight. Reduce-scatter dL/dW so "
+              f"that rank r receives the sum of its rows"),
+    Diagnosis("differentiable_collective", _functional,
+              "you let autograd differentiate through a functional all-gather: its backward "
+              "sums the ranks' gradients (a reduce-scatter) without dividing by N, and "
+              "autograd keeps the gathered W until backward, the memory ZeRO-3 exists to "
+              "save. Write a torch.autograd.Function: all-gather in forward, keep only the "
+              "shard, gather again and reduce-scatter (then / N) in backward"),
+    Diagnosis("no_shard_gradient", lambda c: _is_shard_grad(c) and _grads(c)[0] is None,
+              lambda c: f"rank {c.rank}'s shard got no gradient: a collective is invisible "
+              f"to autograd, so the gathered weight does not lead back to the shard. Wrap "
+              f"the unit in a torch.autograd.Function whose backward returns the shard's "
+              f"gradient"),
+    Diagnosis("gradient_times_N",
+              lambda c: _is_shard_grad(c) and off_by(_grads(c)[0], _grads(c)[1], c.world
+                                                     if "pair" not in c.report else 2),
+              lambda c: f"rank {c.rank}'s shard gradient is {c.report['n']} times too big: "
+              f"the reduce-scatter sums the ranks' gradients, and each rank's is already the "
+              f"mean over its own rows of the batch. Divide by the group's size"),
+    Diagnosis("wrong_dimension", lambda c: _is_shard_grad(c) and _wrong_dim(c),
+              lambda c: f"rank {c.rank}'s shard gradient holds columns of dL/dW: the "
+              f"shards are cut along dim 0, rows [r * out/N, (r + 1) * out/N) of W "
+              f"(out_features, in_features). Reduce-scatter dL/dW as it is (contiguous "
+              f"rows), not its columns"),
+    Diagnosis("wrong_output", lambda c: c.step[:2] == ("logits", 0),
+              lambda c: f"rank {c.rank}'s logits differ from single-device training in the "
+              f"first forward: all-gather the shards in rank order along dim 0 (W is "
+              f"(N * out/N, in)) and return x @ W.T"),
+    Diagnosis("wrong_gradient", lambda c: c.step[:2] == ("grad", 0),
+              lambda c: f"rank {c.rank}'s gradient of {c.step[2]} differs from "
+              f"single-device training in the first step (the logits were right): check "
+              f"backward's dL/dx = dL/dy @ W and dL/dW = dL/dy.T @ x"),
+    Diagnosis("breaks_training", always,
+              lambda c: f"the first step was right, but by step {c.step[1] + 1} rank "
+              f"{c.rank}'s {c.step[0]} ({c.step[2] or 'the model output'}) differ from "
+              f"single-device training: the weights changed between steps. Does your "
+              f"function write into the shard in place (as a collective's output, say)? "
+              f"Only the optimizer may change it"),
+    Diagnosis("all_reduced_gradients", lambda c: "all_reduce" in _ops(c, "backward_ops"),
+              _all_reduced, right=True),
+    Diagnosis("kept_gathered_weights", lambda c: c.results[0]["kept_bytes"] > 0 or any(
+        res["kept_bytes"] > 0 for res in c.results), _kept, right=True),
+]
+
+_PAIRS = "on two 2-rank groups of a 4-rank world"
+
+QUESTION = register(RankExercise(
+    "02.zero3_linear",
+    probe=_zero3_rank,
+    worlds=[World(n, ("world",)) for n in WORLDS] + [World(4, ("pairs",), _PAIRS)],
+    reference=_reference,
+    first_wrong=_first_wrong,
+    diagnoses=DIAGNOSES,
+    solution=ZERO3_SOLUTION,
+    timeout=120.0,
+    hang_hint="the ranks' collectives did not match{t} ({where}): every rank of the group "
+              "must call the same all-gathers and reduce-scatters in the same order, with "
+              "group=group",
+    prompt="""
+        Write zero3_linear(x, shard, group=None) -> Tensor, one ZeRO-3 unit: a linear layer
+        y = x @ W.T (no bias) whose weight W (out_features, in_features) is cut along dim 0
+        over the group's N ranks; rank r holds rows [r * out/N, (r + 1) * out/N) as
+        `shard`, an (out/N, in) parameter. x is (tokens, in_features), this rank's tokens.
+        Forward: all-gather the shards into W, compute, and keep nothing of W. Backward:
+        all-gather W again, return dL/dx, and reduce-scatter dL/dW so that shard.grad is
+        this rank's rows of the gradient averaged over the group. Use a
+        torch.autograd.Function defined inside the function, and comm.all_gather /
+        comm.reduce_scatter (from parlib). Checked as every linear layer of a TinyGPT's
+        blocks, 3 SGD steps on 2 and 4 ranks and on two 2-rank groups of 4 ranks, against
+        single-device training (rtol 1e-4), with the gathered weights left after forward
+        and the gradient buffers measured.
+    """,
+    explanation="""
+        Forward gathers the full weight (the shards side by side along dim 0, in rank
+        order), computes x @ W.T and lets W go: saving the shard instead of W is what makes
+        the unit's weights exist in full only while it computes. That is why backward must
+        gather again (the third P x (N-1)/N of ZeRO-3's bytes per step).
+
+        Backward computes this rank's full dL/dW from its own tokens; the average over the
+        ranks is the single-device gradient, and a reduce-scatter delivers to rank r just
+        the sum of its rows, N times less memory than an all-reduce's whole gradient.
+        Divide by N for the average. dL/dx needs no communication: each rank's tokens are
+        its own.
+    """,
+))
+
+__all__ = ["ZERO3_SOLUTION"]

@@ -1,0 +1,131 @@
+"""Questions of the sharded-data-parallel chapter: each grader accepts the reference answer
+and rejects each mutant with the diagnosis (and hint) that names its mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+from parlib.course.check import check
+from parlib.course.questions.ch02 import ZERO3_SOLUTION
+from parlib.course.registry import questions
+from tests.helpers.learner_code import learner as define_learner
+
+pytestmark = pytest.mark.usefixtures("clean_checks")
+
+PRELUDE = "from parlib import comm\nimport torch.distributed._functional_collectives as funcol\n"
+
+_GATHER = ("            comm.all_gather(weight, shard, group=group)     # every rank's rows, in "
+           "order\n")
+_REGATHER = ("            comm.all_gather(weight, shard, group=group)     # gathered again for "
+             "backward\n")
+_SCATTER = ("            comm.reduce_scatter(grad_shard, grad_w, group=group)  # sum of my rows "
+            "only\n")
+_RETURN = "            return grad_x, grad_shard / n                   # the sum -> the average\n"
+_SAVE = "            ctx.save_for_backward(x, shard)                 # the shard, not the full W\n"
+
+# name: (replacements in the reference, the diagnosis it must reach, words of its hint)
+ZERO3_MUTANTS = {
+    "gradients all-reduced, then this rank's rows taken": (
+        [(_SCATTER, "            dist.all_reduce(grad_w, group=group)\n"
+                    "            r, rows = dist.get_rank(group), shard.shape[0]\n"
+                    "            grad_shard = grad_w[r * rows:(r + 1) * rows]\n")],
+        "all_reduced_gradients", "times the memory"),
+    "gathered weight kept for backward": (
+        [(_SAVE, _SAVE + "            ctx.weight = weight\n"),
+         (_REGATHER, "            weight = ctx.weight\n")],
+        "kept_gathered_weights", "bytes of gathered weights"),
+    "no division by N": (
+        [(_RETURN, "            return grad_x, grad_shard\n")],
+        "gradient_times_N", "times too big"),
+    "gradient cut by columns": (
+        [(_SCATTER, "            columns = torch.cat(grad_w.chunk(n, dim=1))  # flattened: "
+                    "shapes agree\n            comm.reduce_scatter(grad_shard.view(-1), "
+                    "columns.view(-1), group=group)\n")],
+        "wrong_dimension", "columns of dL/dW"),
+    "a rank updates the full parameter": (
+        [(_SCATTER, "            dist.all_reduce(grad_w, group=group)\n"),
+         (_RETURN, "            return grad_x, grad_w / n\n")],
+        "full_parameter_gradient", "only its shard"),
+    "group ignored": (
+        [("group=group", "group=None"), ("dist.get_world_size(group)", "dist.get_world_size()")],
+        "ignores_group", "sub-group"),
+    "weights written over by the reduce-scatter": (
+        [(_SCATTER, "            comm.reduce_scatter(shard.data, grad_w, group=group)\n"
+                    "            grad_shard = shard.detach().clone()\n")],
+        "breaks_training", "in place"),
+    "forward uses this rank's rows N times": (
+        [(_GATHER, "            weight = shard.detach().repeat(n, 1)\n")],
+        "wrong_output", "first forward"),
+    "dL/dW transposed": (
+        [("            grad_w = grad_y.T @ x ", "            grad_w = (x.T @ grad_y).reshape("
+          "grad_y.shape[1], -1) ")],
+        "wrong_gradient", "dL/dW = dL/dy.T @ x"),
+    "rank 0 gathers once more than the others": (
+        [(_GATHER, _GATHER + "            if dist.get_rank(group) == 0:\n    " + _GATHER)],
+        "hang", "did not match"),
+}
+
+# Learners who skip the autograd.Function: whole functions, not edits of the reference.
+NO_FUNCTION = {
+    "functional all-gather, differentiated by autograd": ('''
+def zero3_linear(x, shard, group=None):
+    weight = funcol.all_gather_tensor(shard, 0, group or dist.group.WORLD)
+    return x @ weight.T
+''', "differentiable_collective", "without dividing by N"),
+    "all-gather outside autograd": ('''
+def zero3_linear(x, shard, group=None):
+    n = dist.get_world_size(group)
+    weight = torch.empty(n * shard.shape[0], shard.shape[1])
+    comm.all_gather(weight, shard.detach(), group=group)
+    return x @ weight.T
+''', "no_shard_gradient", "invisible to autograd"),
+}
+
+
+def _mutant(changes: list[tuple[str, str]]) -> str:
+    src = ZERO3_SOLUTION
+    for old, new in changes:
+        assert old in src, f"the reference no longer has {old!r}"
+        src = src.replace(old, new)
+    return src
+
+
+def _check(src: str):
+    return check("02.zero3_linear", define_learner(src, "zero3_linear", prelude=PRELUDE))
+
+
+def test_zero3_accepts_the_reference():
+    r = _check(ZERO3_SOLUTION)
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("name", list(ZERO3_MUTANTS))
+def test_zero3_rejects_mutant(name):
+    changes, diagnosis, hint = ZERO3_MUTANTS[name]
+    r = _check(_mutant(changes))
+    assert r.status == "failed", r
+    assert r.diagnosis == diagnosis, (r.diagnosis, r.message)
+    assert hint in r.message, r.message
+
+
+@pytest.mark.parametrize("name", list(NO_FUNCTION))
+def test_zero3_rejects_unit_without_function(name):
+    src, diagnosis, hint = NO_FUNCTION[name]
+    r = _check(src)
+    assert r.status == "failed", r
+    assert r.diagnosis == diagnosis, (r.diagnosis, r.message)
+    assert hint in r.message, r.message
+
+
+def test_zero3_stub_not_attempted():
+    stub = '''
+def zero3_linear(x, shard, group=None):
+    raise NotImplementedError("your code here")
+'''
+    assert _check(stub).status == "not attempted"
+
+
+def test_every_zero3_diagnosis_is_reached():
+    # the tests above show each mutant reaches its diagnosis; together they reach them all
+    reached = {d for _, d, _ in ZERO3_MUTANTS.values()} | {d for _, d, _ in NO_FUNCTION.values()}
+    assert reached == set(questions("02")["02.zero3_linear"].diagnosis_names())
