@@ -5,12 +5,83 @@ from __future__ import annotations
 
 import pytest
 
+from parlib.cost.memory import model_state_bytes
+from parlib.cost.sharded import zero_sent_bytes_per_step
 from parlib.course.check import check
 from parlib.course.questions.ch02 import ZERO3_SOLUTION
 from parlib.course.registry import questions
 from tests.helpers.learner_code import learner as define_learner
 
 pytestmark = pytest.mark.usefixtures("clean_checks")
+
+GiB = 2**30
+
+
+def test_ch02_questions_registered():
+    ids = set(questions("02"))
+    assert {"02.zero3_linear", "02.zero3_memory", "02.zero2_mixed_memory", "02.zero3_bytes",
+            "02.recompute_pays", "02.fast_links"} <= ids
+    for q in questions("02").values():
+        assert q.working and q.prompt
+
+
+# --------------------------------------------------------------------------- numeric / choice
+
+_Z3 = 7e9 / GiB  # 16 bytes / 16 ranks = 1 byte per parameter
+_Z2_MIXED = (2 * 7e9 + 14 * 7e9 / 16) / GiB
+
+
+@pytest.mark.parametrize("qid, right, wrong, hint", [
+    ("02.zero3_memory", _Z3, (4 * 7e9 + 12 * 7e9 / 16) / GiB, "ZeRO-2"),
+    ("02.zero3_memory", _Z3, (8 * 7e9 + 8 * 7e9 / 16) / GiB, "ZeRO-1"),
+    ("02.zero3_memory", _Z3, 16 * 7e9 / GiB, "plain data parallelism"),
+    ("02.zero3_memory", _Z3, _Z3 / 2, "16 bytes, not 8"),
+    ("02.zero3_memory", _Z3, 7.0, "GiB"),
+    ("02.zero2_mixed_memory", _Z2_MIXED, (4 * 7e9 + 12 * 7e9 / 16) / GiB, "bf16"),
+    ("02.zero2_mixed_memory", _Z2_MIXED, 16 * 7e9 / 16 / GiB, "ZeRO-3"),
+    ("02.zero2_mixed_memory", _Z2_MIXED, (2 * 7e9 + 10 * 7e9 / 16) / GiB, "master copy"),
+    ("02.zero2_mixed_memory", _Z2_MIXED, _Z2_MIXED * GiB / 1e9, "GiB"),
+    ("02.zero3_bytes", 1.05e10, 7e9, "three passes"),
+    ("02.zero3_bytes", 1.05e10, 3.5e9, "one pass"),
+    ("02.zero3_bytes", 1.05e10, 2.1e10, "bf16"),
+    ("02.zero3_bytes", 1.05e10, 1.2e10, "(N-1)/N"),
+    ("02.zero3_bytes", 1.05e10, 5.25e9, "not 1"),
+])
+def test_numeric_answers_and_hints(qid, right, wrong, hint):
+    assert check(qid, right).passed
+    r = check(qid, wrong)
+    assert r.status == "failed" and hint in r.message, r.message
+
+
+def test_numbers_are_the_cost_models():
+    assert check("02.zero3_memory", model_state_bytes(7e9, 16, zero_stage=3) / GiB).passed
+    assert check("02.zero2_mixed_memory",
+                 model_state_bytes(7e9, 16, zero_stage=2, mixed_precision=True) / GiB).passed
+    assert check("02.zero3_bytes", zero_sent_bytes_per_step(2e9, 8, 3, dtype_bytes=2)).passed
+
+
+@pytest.mark.parametrize("qid, right, wrong, hint", [
+    ("02.recompute_pays", "c", "A", "what divides the activations"),
+    ("02.recompute_pays", "C", "B", "bytes per parameter"),
+    ("02.recompute_pays", "C", "D", "twice a forward"),
+    ("02.fast_links", "b", "A", "2 x P x (N-1)/N"),
+    ("02.fast_links", "B", "C", "more memory"),
+    ("02.fast_links", "B", "D", "number of units"),
+])
+def test_choices(qid, right, wrong, hint):
+    assert check(qid, right).passed
+    r = check(qid, wrong)
+    assert r.status == "failed" and hint in r.message, r.message
+
+
+def test_right_option_is_not_the_longest():
+    for q in questions("02").values():
+        if hasattr(q, "options"):
+            longest = max(q.options.values(), key=len)
+            assert q.options[q.answer] != longest, q.id
+
+
+# --------------------------------------------------------------------------- ZeRO-3 unit
 
 PRELUDE = "from parlib import comm\nimport torch.distributed._functional_collectives as funcol\n"
 

@@ -7,7 +7,7 @@ and large units) and ``zero3`` (one ZeRO-3 unit, a
 
 from __future__ import annotations
 
-from parlib.course.questions.ch02 import zero3
+from parlib.course.questions.ch02 import numbers, zero3
 from parlib.course.questions.ch02.zero3 import ZERO3_SOLUTION
 
-__all__ = ["ZERO3_SOLUTION", "zero3"]
+__all__ = ["ZERO3_SOLUTION", "numbers", "zero3"]
