@@ -3,6 +3,8 @@ and rejects each mutant with the diagnosis (and hint) that names its mistake."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from parlib.cost.memory import model_state_bytes
@@ -200,3 +202,33 @@ def test_every_zero3_diagnosis_is_reached():
     # the tests above show each mutant reaches its diagnosis; together they reach them all
     reached = {d for _, d, _ in ZERO3_MUTANTS.values()} | {d for _, d, _ in NO_FUNCTION.values()}
     assert reached == set(questions("02")["02.zero3_linear"].diagnosis_names())
+
+
+def _block_linear_weight_bytes() -> int:
+    from parlib.course.questions.ch02.zero3 import SEED, cfg
+    from parlib.model import build_model
+
+    model = build_model(cfg(), SEED)
+    return sum(p.numel() * p.element_size() for n, p in model.blocks.named_parameters()
+               if n.endswith("weight") and p.dim() == 2)
+
+
+def test_kept_weights_are_measured():
+    # the gathered weights still alive after forward: every unit's full W, and only those
+    changes, _, _ = ZERO3_MUTANTS["gathered weight kept for backward"]
+    r = _check(_mutant(changes))
+    kept = int(re.search(r"still holds (\d+) bytes", r.message).group(1))
+    assert kept == _block_linear_weight_bytes()
+
+
+def test_all_reduced_gradients_are_measured_at_n_times_the_shards():
+    changes = [(_SCATTER, "            dist.all_reduce(grad_w, group=group)\n"
+                          "            grad_w /= n\n"
+                          "            r, rows = dist.get_rank(group), shard.shape[0]\n"
+                          "            return grad_x, grad_w[r * rows:(r + 1) * rows]\n")]
+    r = _check(_mutant(changes))  # returns a view: shard.grad keeps the whole gradient
+    assert r.diagnosis == "all_reduced_gradients", r.message
+    reduced, shards, storage = map(int, re.search(
+        r"(\d+) bytes of reduced gradient.* shards' (\d+) bytes .*keep (\d+) bytes",
+        r.message).groups())
+    assert reduced == storage == 2 * shards == _block_linear_weight_bytes()

@@ -147,11 +147,11 @@ def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
             if step == 0:
                 out["backward_ops"] = [(op, nbytes) for op, nbytes, _, _ in rec.calls]
                 rec.calls.clear()
-                grad = named[shards[0]].grad
-                out["grad_storage"] = (None if grad is None else
-                                       grad.untyped_storage().nbytes())
-                out["shard_bytes"] = named[shards[0]].numel() * 4
-                out["shard_name"] = shards[0]
+                # what the shards' gradients keep: a view of a whole gradient keeps it all
+                out["grad_storage"] = sum(named[k].grad.untyped_storage().nbytes()
+                                          for k in shards if named[k].grad is not None)
+                out["shard_bytes"] = sum(named[k].numel() * named[k].element_size()
+                                         for k in shards)
             for k, p in named.items():  # replicated: plain data parallelism, averaged
                 if k not in shards:
                     dist.all_reduce(p.grad, group=group)
@@ -264,13 +264,14 @@ def _ops(case: Case, which: str) -> list[str]:
 def _all_reduced(case: Case) -> str:
     rank, res = next((r, res) for r, res in enumerate(case.results)
                      if any(op == "all_reduce" for op, _ in res["backward_ops"]))
-    biggest = max(nbytes for op, nbytes in res["backward_ops"] if op == "all_reduce")
+    reduced = sum(nbytes for op, nbytes in res["backward_ops"] if op == "all_reduce")
     return (f"your numbers are right, but rank {rank}'s backward all-reduced the whole "
-            f"gradient: it held {biggest} bytes of reduced gradient per unit where a "
-            f"reduce-scatter leaves it the shard's {res['shard_bytes']} ({case.world} times "
-            f"the memory; shard.grad keeps {res['grad_storage']} bytes of storage). ZeRO "
-            f"shards the gradients: reduce-scatter them, so that rank r receives only the "
-            f"sum of its own rows (comm.reduce_scatter)")
+            f"gradients: {reduced} bytes of reduced gradient on every rank, where "
+            f"reduce-scatters leave each rank its shards' {res['shard_bytes']} bytes "
+            f"({case.world} times the memory; the shards' gradients keep "
+            f"{res['grad_storage']} bytes of storage). ZeRO shards the gradients: "
+            f"reduce-scatter them, so that rank r receives only the sum of its own rows "
+            f"(comm.reduce_scatter)")
 
 
 def _kept(case: Case) -> str:
@@ -308,8 +309,8 @@ DIAGNOSES = [
               f"the unit in a torch.autograd.Function whose backward returns the shard's "
               f"gradient"),
     Diagnosis("gradient_times_N",
-              lambda c: _is_shard_grad(c) and off_by(_grads(c)[0], _grads(c)[1], c.world
-                                                     if "pair" not in c.report else 2),
+              lambda c: _is_shard_grad(c) and off_by(_grads(c)[0], _grads(c)[1],
+                                                     c.report["n"]),
               lambda c: f"rank {c.rank}'s shard gradient is {c.report['n']} times too big: "
               f"the reduce-scatter sums the ranks' gradients, and each rank's is already the "
               f"mean over its own rows of the batch. Divide by the group's size"),
