@@ -172,6 +172,15 @@ def test_zero3_accepts_the_reference():
     assert r.passed, r
 
 
+def test_zero3_accepts_a_list_all_gather():
+    # another right answer: torch's list form, the pieces joined with torch.cat
+    gather = ("            pieces = [torch.empty_like(shard) for _ in range(n)]\n"
+              "            dist.all_gather(pieces, shard, group=group)\n"
+              "            weight = torch.cat(pieces)\n")
+    r = _check(_mutant([(_GATHER, gather), (_REGATHER, gather)]))
+    assert r.passed, r
+
+
 @pytest.mark.parametrize("name", list(ZERO3_MUTANTS))
 def test_zero3_rejects_mutant(name):
     changes, diagnosis, hint = ZERO3_MUTANTS[name]

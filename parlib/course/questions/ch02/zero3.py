@@ -72,7 +72,7 @@ class _Recorder:
         result = proceed()
         if self.on:
             args = call.arguments
-            keys = [k for k in ("output_tensor", "output", "tensor", "tensor_list") if k in args]
+            keys = [k for k in ("output_tensor", "output", "tensor_list", "tensor") if k in args]
             out = args[keys[0]] if keys else result  # a functional collective returns it
             outs = [t for t in (out if isinstance(out, (list, tuple)) else [out])
                     if isinstance(t, torch.Tensor)]
