@@ -145,6 +145,13 @@ def zero3_linear(x, shard, group=None):
     weight = funcol.all_gather_tensor(shard, 0, group or dist.group.WORLD)
     return x @ weight.T
 ''', "differentiable_collective", "without dividing by N"),
+    "all-gather of the shard outside an autograd.Function": ('''
+def zero3_linear(x, shard, group=None):
+    n = dist.get_world_size(group)
+    weight = torch.empty(n * shard.shape[0], shard.shape[1])
+    comm.all_gather(weight, shard, group=group)
+    return x @ weight.T
+''', "collective_without_autograd", "no autograd kernel"),
     "all-gather outside autograd": ('''
 def zero3_linear(x, shard, group=None):
     n = dist.get_world_size(group)

@@ -60,6 +60,18 @@ def cfg():
     return ModelConfig(**CFG_KW)
 
 
+# A collective has no autograd kernel: called on a tensor autograd tracks, outside an
+# autograd.Function, torch 2.13 fails inside work.wait() on some ranks and not others (the
+# rest then hang). The recorder stops every rank at the call instead, before any message.
+_NO_AUTOGRAD = "called with grad mode on, on a tensor that requires grad"
+
+
+def _tracked(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_tracked(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
 class _Recorder:
     """Every collective the learner's unit issues while ``on``: the op and weakrefs to the
     tensors it wrote (the gathered weights, the reduced gradients)."""
@@ -69,10 +81,14 @@ class _Recorder:
         self.calls: list[tuple[str, int, list[weakref.ref], bool]] = []
 
     def around(self, call: Any, proceed: Callable[[], Any]) -> Any:
+        args = call.arguments
+        keys = [k for k in ("output_tensor", "output", "tensor_list", "tensor") if k in args]
+        # a functional collective (no output argument) is differentiable: allowed here
+        if (self.on and keys and torch.is_grad_enabled()
+                and any(_tracked(v) for v in args.values())):
+            raise RuntimeError(f"{call.name} was {_NO_AUTOGRAD}")
         result = proceed()
         if self.on:
-            args = call.arguments
-            keys = [k for k in ("output_tensor", "output", "tensor_list", "tensor") if k in args]
             out = args[keys[0]] if keys else result  # a functional collective returns it
             outs = [t for t in (out if isinstance(out, (list, tuple)) else [out])
                     if isinstance(t, torch.Tensor)]
@@ -126,8 +142,14 @@ def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
             x, y = dp.local_batch(BATCH, cfg(), step, seed, rank=rank, world_size=n)
             opt.zero_grad(set_to_none=True)
             rec.on = True
-            logits = model(x)
-            rec.on = False
+            try:
+                logits = model(x)
+            except RuntimeError as exc:
+                if _NO_AUTOGRAD not in str(exc):
+                    raise
+                return {**out, "error": str(exc).splitlines()[0], "error_kind": "no_autograd"}
+            finally:
+                rec.on = False
             if step == 0:  # what the units still hold between forward and backward
                 gc.collect()  # reachable only: a cycle's garbage is not held
                 out["kept_bytes"] = sum(r().numel() * r().element_size()
@@ -141,7 +163,7 @@ def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
             except RuntimeError as exc:
                 if "invalid gradient" not in str(exc):
                     raise
-                return {**out, "error": str(exc).splitlines()[0]}
+                return {**out, "error": str(exc).splitlines()[0], "error_kind": "full"}
             finally:
                 rec.on = False
             if step == 0:
@@ -292,6 +314,13 @@ def _ignores_group(case: Case) -> str:
 
 DIAGNOSES = [
     Diagnosis("ignores_group", lambda c: c.setting.args[0] == "pairs", _ignores_group),
+    Diagnosis("collective_without_autograd",
+              lambda c: _kind(c) == "error" and c.report.get("error_kind") == "no_autograd",
+              lambda c: f"rank {c.rank}: {c.report['error']}. A collective has no autograd "
+              f"kernel: called on the shard (which requires grad) outside an autograd "
+              f"Function, it cannot take part in backward. Do the all-gather inside "
+              f"forward of a torch.autograd.Function and write its backward (gather "
+              f"again, reduce-scatter) yourself"),
     Diagnosis("full_parameter_gradient", lambda c: _kind(c) == "error",
               lambda c: f"rank {c.rank}: {c.report['error']}. Each rank keeps and updates "
               f"only its shard, the rows it owns: backward must return the gradient of the "
