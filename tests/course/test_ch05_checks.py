@@ -203,13 +203,16 @@ RING_MUTANTS = {
     "ignores_causal": (_ring("q_pos if causal else None,\n                               "
                              "k_pos if causal else None", "None, None"),
                        "without a mask", "no_mask"),
+    "always_causal": (_ring("q_pos if causal else None,\n                               "
+                            "k_pos if causal else None", "q_pos, k_pos"),
+                      "apply the mask only when causal", "always_masked"),
     "forgets_last_block": (_ring("    for step in range(cp):", "    for step in range(cp - 1):"),
                            "leaves out the last block", "last_block_missing"),
     "ignores_group": (_ring("    rank, cp = dist.get_rank(group), dist.get_world_size(group)",
                             "    rank, cp = dist.get_rank(), dist.get_world_size()").replace(
                                 "dist.get_global_rank(group, ", "(").replace(
                                 ", group=group)", ")"),
-                      "two cp groups of 2", "ignores_group"),
+                      "right when the group is the whole world", "ignores_group"),
     "returns_lse_too": (_ring("    return out\n", "    return out, lse\n"), "returned tuple",
                         "not_a_tensor"),
     "returns_whole_kv": (_ring("    return out\n", "    return out.repeat(1, 1, cp, 1)\n"),

@@ -163,7 +163,7 @@ DIAGNOSES = (
               f"{tuple(_blk(c)['out'].shape)} and {tuple(_blk(c)['lse'].shape)}: the merged "
               "result has the shapes of each partial"),
     Diagnosis("no_running_max", _overflow,
-              "on large scores your result is inf or NaN: exp(lse) overflows fp32 past 88. "
+              "your result is inf or NaN: exp(lse) overflows fp32 past 88. "
               "Subtract the running max m = max(lse_a, lse_b) before exp: weigh each side by "
               "exp(lse_x - m) and add m back to the merged log-sum-exp"),
     Diagnosis("nan_masked_row", _nan_on_masked_rows_only,

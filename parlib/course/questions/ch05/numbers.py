@@ -10,6 +10,7 @@ from parlib.cost.context import (
     cp_activation_bytes_per_layer,
     kv_block_bytes,
     ring_attention_sent_bytes_per_layer,
+    ring_sends_per_layer,
 )
 from parlib.course.on_ranks import factor_mistakes
 from parlib.course.question_types import Choice, Numeric, WholeNumbers
@@ -25,6 +26,7 @@ _B, _S, _H, _HEADS, _KV_HEADS, _CP = 1, 32768, 4096, 32, 8, 8
 _KV_DIM = _KV_HEADS * _H // _HEADS  # 1024: 8 K/V heads of head_dim 128
 _RING = ring_attention_sent_bytes_per_layer(_B, _S, _KV_DIM, _CP, dtype_bytes=2)
 _BLOCK = kv_block_bytes(_B, _S, _KV_DIM, _CP, dtype_bytes=2)
+_SENDS = ring_sends_per_layer(_CP)  # 3 (cp - 1): K/V forward, K/V and gradients backward
 
 register(Numeric(
     "05.ring_bytes",
@@ -46,10 +48,10 @@ register(Numeric(
 
         Forward: cp - 1 = {_CP - 1} blocks (every rank needs all cp blocks and holds one).
         Backward: the {_CP - 1} K/V blocks again, and {_CP - 1} blocks of their gradients
-        (each gradient visits every rank on its way home). 3 x (cp - 1) = {3 * (_CP - 1)}
+        (each gradient visits every rank on its way home). 3 x (cp - 1) = {_SENDS}
         messages.
 
-        {3 * (_CP - 1)} x {_BLOCK:,.0f} = **{_RING:,.0f} bytes** ({_RING / MiB:.0f} MiB) per
+        {_SENDS} x {_BLOCK:,.0f} = **{_RING:,.0f} bytes** ({_RING / MiB:.0f} MiB) per
         layer. It scales with s x kv_dim: grouped K/V make it {_HEADS // _KV_HEADS} times
         smaller than with full K/V heads.
     """,
@@ -76,8 +78,7 @@ _LOCAL = _MS // _MCP
 _LSE = _MA * _LOCAL * _MB * LSE_BYTES
 
 
-def _gathered_mib() -> float:
-    return 2 * _MB * (_MS - _LOCAL) * _MH * 2 / MiB
+_GATHERED = cp_activation_bytes_per_layer(_MS, _MB, _MH, _MA, _MCP, attention="all_gather")
 
 
 register(Numeric(
@@ -99,11 +100,11 @@ register(Numeric(
         34 x (s/cp) x b x h bytes in bf16 (4 tensors of width h and 2 dropout masks outside
         the matmuls, Q, K, V, the attention output and the MLP's two 4h-wide tensors).
 
-        34 x {_LOCAL} x {_MB} x {_MH} = {34 * _LOCAL * _MB * _MH:,} bytes, plus the
+        34 x {_LOCAL} x {_MB} x {_MH} = {_MEM - _LSE:,.0f} bytes, plus the
         log-sum-exp: a x s/cp x b x 4 = {_LSE:,} bytes.
 
         **{_MEM / MiB:.1f} MiB**. The ring keeps no other rank's K and V: the all-gather
-        variant would add 2 x b x (s - s/cp) x h x 2 bytes, {_gathered_mib():.0f} MiB more.
+        variant would add 2 x b x (s - s/cp) x h x 2 bytes, {(_GATHERED - _MEM) / MiB:.0f} MiB more.
     """,
     mistakes={
         **factor_mistakes(_MEM / MiB, {
@@ -111,7 +112,7 @@ register(Numeric(
         }),
         (_MEM - _LSE) / MiB: "add the fp32 log-sum-exp of each query row: a x s/cp x b x 4 "
                              "bytes, kept for the backward",
-        cp_activation_bytes_per_layer(_MS, _MB, _MH, _MA, _MCP, attention="all_gather") / MiB:
+        _GATHERED / MiB:
             "that keeps every rank's K and V (the all-gather variant); the ring passes them "
             "on",
         cp_activation_bytes_per_layer(_MS, _MB, _MH, _MA, _MCP, dtype_bytes=4) / MiB:

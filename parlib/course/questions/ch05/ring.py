@@ -178,8 +178,8 @@ def _setting(c: Case) -> str:
 
 DIAGNOSES = (
     Diagnosis("ignores_group", lambda c: bool(c.setting.args) and c.setting.args[0] == "pairs",
-              lambda c: f"right on the whole world, but rank {c.rank}'s result is wrong on "
-              "two cp groups of 2 inside a 4-rank world: take the rank and cp from the group "
+              lambda c: f"rank {c.rank}'s result is wrong here, though right when the group is "
+              "the whole world: take the rank and cp from the group "
               "(dist.get_rank(group), dist.get_world_size(group)), name the neighbours by "
               "their global ranks (dist.get_global_rank(group, r)) and pass group= to every "
               "send and receive"),
@@ -208,6 +208,11 @@ DIAGNOSES = (
               and close(_got(c), _ref(c)["full"]),
               lambda c: f"rank {c.rank}'s causal output is attention without a mask: with "
               "causal=True, key j is visible to query i only when j <= i (global positions)"),
+    Diagnosis("always_masked", lambda c: c.step == "full" and isinstance(_got(c), torch.Tensor)
+              and close(_got(c), _ref(c)["causal"]),
+              lambda c: f"rank {c.rank}'s output with causal=False is causal attention: "
+              "apply the mask only when causal is True (block_attention's q_pos and k_pos "
+              "None: every key visible)"),
     Diagnosis("last_block_missing", _is("no_last"),
               lambda c: f"rank {c.rank} leaves out the last block it receives: cp blocks in "
               "all (its own and cp - 1 received), the last one arriving after cp - 1 "
