@@ -52,6 +52,15 @@ def test_numeric_answers_and_hints(qid, right, wrong, hint):
     assert r.status == "failed" and hint in r.message, r.message
 
 
+@pytest.mark.parametrize("qid", ["05.ring_bytes", "05.activation_memory"])
+def test_every_numeric_mistake_gets_its_own_hint(qid):
+    q = questions("05")[qid]
+    assert len(q.mistakes) >= 4
+    for wrong, hint in q.mistakes.items():
+        r = check(qid, wrong)
+        assert r.status == "failed" and hint in r.message, (wrong, r.message)
+
+
 def test_expected_values_are_parlib_cost():
     assert check("05.ring_bytes",
                  ring_attention_sent_bytes_per_layer(1, 32768, 1024, 8, 2)).passed

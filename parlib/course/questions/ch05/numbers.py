@@ -92,7 +92,8 @@ register(Numeric(
         s = {_MS} tokens split over cp = {_MCP} ranks with ring attention. Attention runs
         as a fused kernel: the scores are not stored, only the fp32 log-sum-exp of every
         query row of every head. How much activation memory does one rank keep for this
-        layer's backward? Give a number in MiB (2^20 bytes).
+        layer's backward? Without the scores, a layer stores 34 x s x b x h bytes for s
+        positions in bf16. Give a number in MiB (2^20 bytes).
     """,
     working=f"""
         One rank holds s/cp = {_MS} / {_MCP} = {_LOCAL} positions, and every tensor a layer
