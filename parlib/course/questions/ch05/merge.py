@@ -1,0 +1,256 @@
+"""05.merge_partials: merge two partial attention results with the online softmax, judged
+against the full softmax on random blocks (with causal masks that leave rows fully masked on
+one side or on both, and scores large enough to overflow exp)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from parlib.course.answers import plain_tensor
+from parlib.course.on_ranks import Case, Diagnosis, always, working_text
+from parlib.course.question_types import Implementation
+from parlib.course.registry import register
+from parlib.course.results import CheckFailed
+from parlib.strategies.context_ops import block_attention
+from parlib.verify import close
+
+SEED = 5
+B, HEADS, S_Q, D, S_K = 1, 2, 6, 4, 5  # two key blocks of S_K keys each
+
+# name -> (query positions, first key position of block a, of block b, query scale); None:
+# no mask. "large" scores reach lse ~ 10^2, past fp32's exp limit (88).
+CASES: dict[str, tuple[Any, int, int, float]] = {
+    "plain": (None, 0, 0, 1.0),
+    "causal": (range(2, 8), 0, 5, 1.0),  # queries 2..4 see nothing of block b (5..9)
+    "large": (None, 0, 0, 300.0),
+    "masked": (range(0, 6), 3, 8, 1.0),  # queries 0..2 see nothing on either side
+}
+
+MERGE_SOLUTION = '''\
+def merge(out_a, lse_a, out_b, lse_b):
+    top = torch.maximum(lse_a, lse_b)  # the running max, (b, a, s_q)
+    # a row masked on both sides: any finite top will do (else -inf - -inf = NaN)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)  # each side's sum / exp(top)
+    total = wa + wb  # 0 only where both sides saw nothing
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    out = (wa[..., None] * out_a + wb[..., None] * out_b) / safe[..., None]
+    return out, top + torch.log(total)  # log 0 = -inf: still nothing seen
+'''
+
+
+def _blocks(name: str) -> dict[str, torch.Tensor]:
+    """One case: the two partials (block_attention on each key block) and the full softmax
+    over both blocks at once, out 0 and lse -inf on a row that sees no key at all."""
+    q_pos, first_a, first_b, scale = CASES[name]
+    gen = torch.Generator().manual_seed(SEED + list(CASES).index(name))
+    q = torch.randn(B, HEADS, S_Q, D, generator=gen) * scale
+    k = torch.randn(B, HEADS, 2 * S_K, D, generator=gen)
+    v = torch.randn(B, HEADS, 2 * S_K, D, generator=gen)
+    qp = None if q_pos is None else torch.tensor(list(q_pos))
+    kp = [None if q_pos is None else torch.arange(f, f + S_K) for f in (first_a, first_b)]
+    out_a, lse_a = block_attention(q, k[..., :S_K, :], v[..., :S_K, :], qp, kp[0])
+    out_b, lse_b = block_attention(q, k[..., S_K:, :], v[..., S_K:, :], qp, kp[1])
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)  # (b, a, s_q, 2 S_K): the full softmax
+    if qp is not None:
+        scores = scores.masked_fill(torch.cat(kp)[None, :] > qp[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    seen = torch.isfinite(lse)
+    probs = torch.where(seen[..., None], torch.softmax(scores, dim=-1), torch.zeros_like(scores))
+    return {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b,
+            "out": probs @ v, "lse": lse}
+
+
+def lse_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The same -inf rows, and :func:`parlib.verify.close` on the others."""
+    if got.shape != want.shape:
+        return False
+    finite = torch.isfinite(want)
+    if not torch.equal(torch.isneginf(got), ~finite):
+        return False
+    return close(got[finite], want[finite])
+
+
+def _report(fn: Callable, name: str) -> dict[str, Any]:
+    blocks = _blocks(name)
+    args = [blocks[k].clone() for k in ("out_a", "lse_a", "out_b", "lse_b")]
+    got = fn(*args)
+    report: dict[str, Any] = {"case": name, "blocks": blocks}
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        report["problem"] = ("not_pair", type(got).__name__)
+        return report
+    out, lse = (plain_tensor(t) for t in got)
+    if out is None or lse is None:
+        report["problem"] = ("not_pair", " and ".join(type(t).__name__ for t in got))
+        return report
+    report.update(out=out.detach(), lse=lse.detach())
+    if out.shape != blocks["out"].shape or lse.shape != blocks["lse"].shape:
+        report["problem"] = ("shape", f"{tuple(out.shape)} and {tuple(lse.shape)}")
+    elif not close(torch.nan_to_num(out, nan=1e9), blocks["out"]):
+        report["problem"] = ("out", "")
+    elif not lse_close(lse, blocks["lse"]):
+        report["problem"] = ("lse", "")
+    return report
+
+
+# --------------------------------------------------------------------------- the verdicts
+
+
+def _what(c: Case) -> str:
+    return c.report["problem"][0]
+
+
+def _blk(c: Case) -> dict[str, torch.Tensor]:
+    return c.report["blocks"]
+
+
+def _out_is(c: Case, want: torch.Tensor) -> bool:
+    return _what(c) == "out" and close(torch.nan_to_num(c.report["out"], nan=1e9), want)
+
+
+def _one_side_unweighted(c: Case) -> bool:
+    """One side's weight exp(lse_x - top) taken as 1: its log-sum-exp ignored."""
+    k = _blk(c)
+    top = torch.maximum(k["lse_a"], k["lse_b"])
+    wa, wb = torch.exp(k["lse_a"] - top)[..., None], torch.exp(k["lse_b"] - top)[..., None]
+    return (_out_is(c, (wa * k["out_a"] + k["out_b"]) / (wa + 1))
+            or _out_is(c, (k["out_a"] + wb * k["out_b"]) / (1 + wb)))
+
+
+def _lse_of_one_side(c: Case) -> bool:
+    k = _blk(c)
+    return _what(c) == "lse" and any(
+        lse_close(c.report["lse"], k[x]) for x in ("lse_a", "lse_b"))
+
+
+def _nan_on_masked_rows_only(c: Case) -> bool:
+    """NaN exactly on the rows that see no key on either side, every other row right."""
+    if c.report["case"] != "masked" or _what(c) not in ("out", "lse"):
+        return False
+    k, out, lse = _blk(c), c.report["out"], c.report["lse"]
+    dead = ~torch.isfinite(k["lse"])  # (b, a, s_q)
+    nan_rows = torch.isnan(out).any(-1) | torch.isnan(lse)
+    return bool(torch.equal(nan_rows, dead)) and close(out[~dead], k["out"][~dead])
+
+
+def _overflow(c: Case) -> bool:
+    return c.report["case"] == "large" and _what(c) in ("out", "lse") and not bool(
+        torch.isfinite(c.report["out"]).all() and torch.isfinite(c.report["lse"]).all())
+
+
+def _worst(c: Case) -> str:
+    got, want = c.report[_what(c)], _blk(c)[_what(c)]
+    diff = (torch.nan_to_num(got, nan=float("inf")) - want).abs()
+    diff = diff[torch.isfinite(want)] if _what(c) == "lse" else diff
+    return f"{diff.max().item():.3g}"
+
+
+_WHERE = {"plain": "random blocks without a mask",
+          "causal": "a causal mask under which some rows see nothing in block b (lse_b -inf)",
+          "large": "large scores (log-sum-exps about 10^2, past where exp overflows in fp32)",
+          "masked": "a causal mask under which some rows see nothing on either side"}
+
+DIAGNOSES = (
+    Diagnosis("not_a_pair", lambda c: _what(c) == "not_pair",
+              lambda c: f"your function returned {c.report['problem'][1]}: return a pair "
+              "(out, lse) of tensors, e.g. `return out, lse`"),
+    Diagnosis("wrong_shape", lambda c: _what(c) == "shape",
+              lambda c: f"out and lse have shapes {c.report['problem'][1]}, expected "
+              f"{tuple(_blk(c)['out'].shape)} and {tuple(_blk(c)['lse'].shape)}: the merged "
+              "result has the shapes of each partial"),
+    Diagnosis("no_running_max", _overflow,
+              "your result is inf or NaN: exp(lse) overflows fp32 past 88. "
+              "Subtract the running max m = max(lse_a, lse_b) before exp: weigh each side by "
+              "exp(lse_x - m) and add m back to the merged log-sum-exp"),
+    Diagnosis("nan_masked_row", _nan_on_masked_rows_only,
+              "NaN on exactly the rows that see no key on either side (both lse -inf): there "
+              "the running max is -inf too and -inf - (-inf) is NaN. Such a row must come out "
+              "as out 0, lse -inf: replace a non-finite max by 0 before subtracting, and do "
+              "not divide by a zero total"),
+    Diagnosis("summed_outputs", lambda c: _out_is(c, _blk(c)["out_a"] + _blk(c)["out_b"]),
+              "out is out_a + out_b: each partial is normalised by its own block's sum, so "
+              "they cannot simply be added. Weigh each by its share of the total, "
+              "exp(lse_x - lse)"),
+    Diagnosis("averaged_outputs",
+              lambda c: _out_is(c, (_blk(c)["out_a"] + _blk(c)["out_b"]) / 2),
+              "out is the plain average of out_a and out_b: the two blocks carry different "
+              "shares of the softmax's total. Weigh each by exp(lse_x - lse)"),
+    Diagnosis("one_lse_ignored", _one_side_unweighted,
+              "one side is weighed as if its log-sum-exp were the running max (weight 1): "
+              "weigh both sides, exp(lse_a - m) and exp(lse_b - m)"),
+    Diagnosis("lse_not_merged", _lse_of_one_side,
+              "out is right, but the lse you return is one side's: the merged log-sum-exp is "
+              "log(exp(lse_a) + exp(lse_b)) (= m + log(exp(lse_a - m) + exp(lse_b - m))), "
+              "which the next merge needs"),
+    Diagnosis("wrong_lse", lambda c: _what(c) == "lse",
+              lambda c: f"out is right but lse differs from the full softmax's log-sum-exp "
+              f"(max |difference| {_worst(c)})"),
+    Diagnosis("wrong_output", always,
+              lambda c: f"out differs from the full softmax's (max |difference| "
+              f"{_worst(c)})"),
+)
+
+
+class MergeExercise(Implementation):
+    """A function judged in this process on ``CASES``, in order: the first wrong case goes
+    through ``diagnoses`` (first match wins), as a :class:`RankExercise` does on ranks."""
+
+    def __init__(self, id: str, *, diagnoses: Sequence[Diagnosis], solution: str,
+                 explanation: str, prompt: str) -> None:
+        super().__init__(id, self._run, prompt=prompt, timeout=30.0,
+                         working=working_text(explanation, solution))
+        self.diagnoses, self.solution = tuple(diagnoses), solution
+
+    def diagnosis_names(self) -> list[str]:
+        return [d.name for d in self.diagnoses]
+
+    def _run(self, fn: Callable) -> None:
+        for name in CASES:
+            report = _report(fn, name)
+            if "problem" not in report:
+                continue
+            case = Case(1, [report], None, rank=0, step=name)
+            for diagnosis in self.diagnoses:
+                if diagnosis.when(case):
+                    failure = CheckFailed(f"on {_WHERE[name]}: {diagnosis.message(case)}")
+                    failure.diagnosis = diagnosis.name
+                    raise failure
+
+
+QUESTION = register(MergeExercise(
+    "05.merge_partials",
+    diagnoses=DIAGNOSES,
+    solution=MERGE_SOLUTION,
+    prompt="""
+        Write merge(out_a, lse_a, out_b, lse_b) -> (out, lse). Each side is the attention
+        of the same queries over one block of keys: out (b, heads, s_q, head_dim), the
+        softmax-weighted values normalised within that block, and lse (b, heads, s_q), the
+        log-sum-exp of that block's scores (-inf for a row that sees no key of the block).
+        Return the result over both blocks: the attention output and log-sum-exp of the
+        full softmax. A row that sees no key on either side comes out as out 0, lse -inf.
+        Checked against the full softmax on random blocks: without a mask, with causal
+        masks that leave rows fully masked on one side and on both, and with scores large
+        enough that exp overflows in fp32 (tolerance rtol 1e-4).
+    """,
+    explanation="""
+        A block's out is sum_j exp(s_j) v_j / exp(lse_x): the weighted values over that
+        block's own total exp(lse_x). Over both blocks the total is exp(lse_a) +
+        exp(lse_b), so each side carries the share exp(lse_x) / (exp(lse_a) + exp(lse_b))
+        and out = share_a out_a + share_b out_b.
+
+        Never compute exp(lse) itself: past 88 it overflows fp32. Subtract the running
+        max m = max(lse_a, lse_b) first; the weights exp(lse_x - m) are at most 1, and the
+        merged log-sum-exp is m + log(exp(lse_a - m) + exp(lse_b - m)).
+
+        A row that sees nothing on either side has m = -inf, and -inf - (-inf) is NaN:
+        replace such an m by 0 (both weights come out 0), and divide by the total only
+        where it is positive. Ring attention merges each arriving block into the running
+        result with exactly this function.
+    """,
+))
+
+__all__ = ["CASES", "MERGE_SOLUTION", "MergeExercise", "lse_close"]

@@ -1,0 +1,279 @@
+"""05.ring_forward: the forward of ring attention on ranks, a
+:class:`~parlib.course.on_ranks.RankExercise` judged against single-device attention for
+cp = 2 and 4 (causal and not), then on two cp groups of 2 inside a 4-rank world."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from parlib.course.answers import plain_tensor
+from parlib.course.on_ranks import Case, Diagnosis, RankExercise, World, always
+from parlib.course.registry import register
+from parlib.strategies.context_ops import block_attention, merge_partials
+from parlib.verify import close
+
+SEED = 11
+B, HEADS, SEQ, D = 1, 2, 8, 4  # SEQ splits into 2 and 4 chunks
+SETTINGS = ("causal", "full")  # each launch runs both, causal first
+P2P_OPS = {"send", "recv", "isend", "irecv", "barrier"}
+
+RING_SOLUTION = '''\
+def ring_attention_forward(q, k, v, group, causal):
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    size = q.shape[-2]                       # s / cp positions per rank
+    send_to = dist.get_global_rank(group, (rank + 1) % cp)
+    recv_from = dist.get_global_rank(group, (rank - 1) % cp)
+    q_pos = torch.arange(rank * size, (rank + 1) * size)  # global positions
+    kv = torch.stack([k, v])                 # (2, b, a, s/cp, d): one message
+    out = lse = None
+    for step in range(cp):
+        if step < cp - 1:                    # start passing the block on...
+            incoming = torch.empty_like(kv)
+            works = [dist.isend(kv, send_to, group=group),
+                     dist.irecv(incoming, recv_from, group=group)]
+        source = (rank - step) % cp          # ...while computing with it: whose block it is
+        k_pos = torch.arange(source * size, (source + 1) * size)
+        part = block_attention(q, kv[0], kv[1], q_pos if causal else None,
+                               k_pos if causal else None)
+        out, lse = part if out is None else merge_partials(out, lse, *part)
+        if step < cp - 1:
+            for w in works:
+                w.wait()
+            kv = incoming
+    return out
+'''
+
+
+def _inputs(group_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole sequence's q, k, v (b, a, s, d) of one cp group (each group its own)."""
+    gen = torch.Generator().manual_seed(SEED + group_index)
+    return tuple(torch.randn(B, HEADS, SEQ, D, generator=gen) for _ in range(3))
+
+
+def _groups(world: World) -> list[list[int]]:
+    """The cp groups of a launch: the whole world, or consecutive pairs."""
+    if world.args and world.args[0] == "pairs":
+        return [[r, r + 1] for r in range(0, world.size, 2)]
+    return [list(range(world.size))]
+
+
+def _ring_rank(fn: Callable, layout: str = "world") -> dict[str, Any]:
+    """On every rank: the learner's forward on this rank's chunk of its group's sequence,
+    causal and not, with the collectives it used."""
+    import torch.distributed as dist
+
+    from parlib.measure import CommLog
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if layout == "pairs":
+        groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank, each
+        index, group = rank // 2, groups[rank // 2]
+    else:
+        index, group = 0, dist.group.WORLD
+    r, cp = dist.get_rank(group), dist.get_world_size(group)
+    q, k, v = _inputs(index)
+    mine = slice(r * (SEQ // cp), (r + 1) * (SEQ // cp))
+    report: dict[str, Any] = {"ops": set()}
+    for setting in SETTINGS:
+        with CommLog(deep=True) as log:
+            got = fn(q[..., mine, :].clone(), k[..., mine, :].clone(),
+                     v[..., mine, :].clone(), group, setting == "causal")
+        report["ops"] |= set(log.pg_calls)
+        plain = plain_tensor(got)
+        report[setting] = plain.detach().clone() if plain is not None else type(got).__name__
+    report["ops"] = sorted(report["ops"])
+    return report
+
+
+def _simulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, rank: int, *,
+              held: Callable[[int, int], int], labelled: Callable[[int, int], int],
+              steps: int, local: bool = False) -> torch.Tensor:
+    """What a ring forward computes on ``rank`` when at step j it holds block held(r, j)
+    but masks it as the positions of block labelled(r, j) (local: by positions within the
+    chunk), over ``steps`` steps: the candidates of the common mistakes."""
+    size = SEQ // cp
+
+    def chunk(t: torch.Tensor, c: int) -> torch.Tensor:
+        return t[..., c * size:(c + 1) * size, :]
+
+    def pos(c: int) -> torch.Tensor:
+        return torch.arange(size) if local else torch.arange(c * size, (c + 1) * size)
+
+    out = lse = None
+    for j in range(steps):
+        part = block_attention(chunk(q, rank), chunk(k, held(rank, j)), chunk(v, held(rank, j)),
+                               pos(rank), pos(labelled(rank, j)))
+        out, lse = part if out is None else merge_partials(out, lse, *part)
+    return out
+
+
+def _reference(world: World) -> list[dict[str, Any]]:
+    """Per global rank: single-device attention's rows of its chunk, causal and not, and the
+    candidates of the mistakes (causal)."""
+    per_rank: list[dict[str, Any]] = []
+    for index, members in enumerate(_groups(world)):
+        q, k, v = _inputs(index)
+        cp = len(members)
+        size = SEQ // cp
+        for r in range(cp):
+            rows = slice(r * size, (r + 1) * size)
+            back = {"held": lambda r, j: (r - j) % cp, "labelled": lambda r, j: (r - j) % cp}
+            per_rank.append({
+                "causal": F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., rows, :],
+                "full": F.scaled_dot_product_attention(q, k, v)[..., rows, :],
+                "reversed": _simulate(q, k, v, cp, r, held=lambda r, j: (r + j) % cp,
+                                      labelled=back["labelled"], steps=cp),
+                "wrong_source": _simulate(q, k, v, cp, r, held=back["held"],
+                                          labelled=lambda r, j: (r - j - 1) % cp, steps=cp),
+                "local": _simulate(q, k, v, cp, r, **back, steps=cp, local=True),
+                "no_last": _simulate(q, k, v, cp, r, **back, steps=cp - 1) if cp > 1 else None,
+            })
+    return per_rank
+
+
+def _problem(got: Any, want: torch.Tensor) -> str | None:
+    if not isinstance(got, torch.Tensor):
+        return "type"
+    if got.shape != want.shape:
+        return "shape"
+    return None if close(got, want) else "values"
+
+
+def _first_wrong(case: Case) -> tuple[int, str] | None:
+    for setting in SETTINGS:
+        for rank, res in enumerate(case.results):
+            if _problem(res[setting], case.reference[rank][setting]):
+                return rank, setting
+    return None
+
+
+def _got(c: Case) -> Any:
+    return c.report[c.step]
+
+
+def _ref(c: Case) -> dict[str, Any]:
+    return c.reference[c.rank]
+
+
+def _is(key: str) -> Callable[[Case], bool]:
+    """The causal output equals the candidate ``key`` of a mistake."""
+    def when(c: Case) -> bool:
+        want = _ref(c)[key]
+        return (c.step == "causal" and want is not None
+                and _problem(_got(c), _ref(c)["causal"]) == "values" and close(_got(c), want))
+    return when
+
+
+def _collectives(c: Case) -> list[str]:
+    return sorted({op for res in c.results for op in res["ops"]} - P2P_OPS)
+
+
+def _setting(c: Case) -> str:
+    return "causal" if c.step == "causal" else "without a mask"
+
+
+DIAGNOSES = (
+    Diagnosis("ignores_group", lambda c: bool(c.setting.args) and c.setting.args[0] == "pairs",
+              lambda c: f"rank {c.rank}'s result is wrong here, though right when the group is "
+              "the whole world: take the rank and cp from the group "
+              "(dist.get_rank(group), dist.get_world_size(group)), name the neighbours by "
+              "their global ranks (dist.get_global_rank(group, r)) and pass group= to every "
+              "send and receive"),
+    Diagnosis("not_a_tensor", lambda c: _problem(_got(c), _ref(c)[c.step]) == "type",
+              lambda c: f"rank {c.rank} returned {_got(c)}: return the attention output, a "
+              "tensor (b, heads, s/cp, head_dim)"),
+    Diagnosis("wrong_shape", lambda c: _problem(_got(c), _ref(c)[c.step]) == "shape",
+              lambda c: f"rank {c.rank} returned shape {tuple(_got(c).shape)}, expected "
+              f"{tuple(_ref(c)[c.step].shape)}: the output of this rank's queries only"),
+    Diagnosis("wrong_neighbour", _is("reversed"),
+              lambda c: f"rank {c.rank}'s causal output is what the blocks give when they "
+              "travel the other way round the ring: at step j a rank holds the block of rank "
+              "(r - j) mod cp only if it sends to (r + 1) mod cp and receives from "
+              "(r - 1) mod cp"),
+    Diagnosis("wrong_source", _is("wrong_source"),
+              lambda c: f"rank {c.rank} masks each block with the positions of the next "
+              "rank's chunk, the block still on its way: the block computed at step j (from "
+              "0) came from rank (r - j) mod cp, so its keys are the positions from "
+              "((r - j) mod cp) x s/cp on"),
+    Diagnosis("mask_local_positions", _is("local"),
+              lambda c: f"rank {c.rank} applies the causal mask by positions within the chunk "
+              "(0 .. s/cp - 1) for every block: the mask compares global positions, so a "
+              "block from an earlier rank is fully visible and one from a later rank fully "
+              "masked"),
+    Diagnosis("no_mask", lambda c: c.step == "causal" and isinstance(_got(c), torch.Tensor)
+              and close(_got(c), _ref(c)["full"]),
+              lambda c: f"rank {c.rank}'s causal output is attention without a mask: with "
+              "causal=True, key j is visible to query i only when j <= i (global positions)"),
+    Diagnosis("always_masked", lambda c: c.step == "full" and isinstance(_got(c), torch.Tensor)
+              and close(_got(c), _ref(c)["causal"]),
+              lambda c: f"rank {c.rank}'s output with causal=False is causal attention: "
+              "apply the mask only when causal is True (block_attention's q_pos and k_pos "
+              "None: every key visible)"),
+    Diagnosis("last_block_missing", _is("no_last"),
+              lambda c: f"rank {c.rank} leaves out the last block it receives: cp blocks in "
+              "all (its own and cp - 1 received), the last one arriving after cp - 1 "
+              "steps"),
+    Diagnosis("wrong_output", always,
+              lambda c: f"rank {c.rank}'s output ({_setting(c)}) differs from single-device "
+              f"attention (max |difference| "
+              f"{(_got(c) - _ref(c)[c.step]).abs().max().item():.3g})"),
+    Diagnosis("collective_used", lambda c: bool(_collectives(c)),
+              lambda c: f"the output is right, but your function called "
+              f"{_collectives(c)[0]}: ring attention passes the K/V blocks with send and "
+              "recv (isend/irecv) only, so no rank ever holds all of K and V", right=True),
+)
+
+QUESTION = register(RankExercise(
+    "05.ring_forward",
+    probe=_ring_rank,
+    worlds=[World(2), World(4), World(4, ("pairs",), "on two cp groups of 2 in 4 ranks")],
+    reference=_reference,
+    first_wrong=_first_wrong,
+    diagnoses=DIAGNOSES,
+    solution=RING_SOLUTION,
+    backend="gloo",
+    timeout=60.0,
+    hang_hint="the ranks' sends and receives did not match{t} ({where}): every rank sends "
+              "its block to the next rank and receives from the previous one, the same "
+              "number of times (cp - 1), with tensors of the same size",
+    timeout_hint="a send with no matching receive blocks forever: every rank sends to "
+                 "(r + 1) mod cp and receives from (r - 1) mod cp, cp - 1 times",
+    prompt="""
+        Write ring_attention_forward(q, k, v, group, causal) -> Tensor. q, k, v
+        (b, heads, s/cp, head_dim) are this rank's chunk r of the sequence (contiguous:
+        positions r x s/cp to (r + 1) x s/cp - 1) in the cp ranks of `group`. Return the
+        attention of this rank's queries over the whole sequence, causal (key j visible to
+        query i when j <= i) or not. Pass the K/V blocks round the ring with dist.isend /
+        dist.irecv (to the next rank, from the previous one), and merge each block's
+        partial result with parlib's block_attention and merge_partials (or your merge from
+        question 05.merge_partials). Checked on 2 and 4 ranks, causal and not, against
+        single-device attention, then on two cp groups of 2 inside a 4-rank world
+        (rtol 1e-4).
+    """,
+    explanation="""
+        Each rank keeps its queries. Its K and V travel round the ring: at step j (from 0)
+        a rank holds the block of rank (r - j) mod cp, because every rank sends what it
+        holds to (r + 1) mod cp and receives from (r - 1) mod cp. After cp - 1 transfers it
+        has seen all cp blocks; the last one arrives after the last send, so the loop runs
+        cp times and sends only cp - 1 times.
+
+        Start the transfer of the held block (isend/irecv), compute with it while it
+        travels, then wait: the transfer hides behind the block's attention.
+
+        The causal mask compares global positions: the held block's keys are positions
+        source x s/cp onwards, source = (r - j) mod cp. block_attention gives each block's
+        (out, lse), fully masked rows as (0, -inf); merge_partials folds it into the running
+        result. Peers are named by global rank (dist.get_global_rank), and group= goes to
+        every call, so the function works on any cp group.
+    """,
+    after="""
+        Each rank sends cp - 1 K/V blocks of 2 x b x s/cp x kv_dim elements per layer in
+        forward: parlib.cost's ring_attention_sent_bytes_per_layer(..., passes=("forward",)).
+    """,
+))
+
+__all__ = ["RING_SOLUTION"]
