@@ -35,6 +35,7 @@ CHAPTERS: tuple[Chapter, ...] = (
             "the tensor-parallel chapter"),
     Chapter("04", "pipeline", "pipeline_parallel", "Pipeline parallelism",
             "the pipeline chapter"),
+    Chapter("05", "context", "context_parallel", "Context parallelism", "the context-parallel chapter"),
     Chapter("07", "combining", "combining", "Combining the axes", "the combining chapter"),
     Chapter("08", "choosing", "choosing", "Choosing a layout", "the choosing chapter"),
 )
