@@ -202,4 +202,69 @@ def draw_timeline(
     return ax
 
 
-__all__ = ["AXIS_STYLE", "COLORS", "WHO_PAYS", "draw_collective", "draw_timeline", "run_label"]
+# ---- the context-parallel chapter: causal work per rank, activations per rank against s
+
+def draw_causal_imbalance(runs: dict[str, Sequence[dict[str, float]]], caption: str = "",
+                          ax=None):
+    """Per rank, emulated compute (busy) and the waiting around it, one group of bars per
+    layout: ``runs[layout][rank]`` has ``"busy"`` and ``"total"`` seconds
+    (:func:`parlib.experiments.context.emulated_imbalance`). Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 2.4 + 0.3 * sum(len(r) for r in runs.values())))
+    labels, ticks, y = [], [], 0.0
+    for layout, ranks in runs.items():
+        for rank, r in enumerate(ranks):
+            ticks.append(y)
+            busy, wait = r["busy"] * 1e3, max(r["total"] - r["busy"], 0.0) * 1e3
+            ax.barh(y, busy, color=COLORS["forward"])
+            ax.barh(y, wait, left=busy, color=COLORS["idle"], edgecolor=COLORS["theory"],
+                    linewidth=0.3)
+            labels.append(f"{layout}, rank {rank}")
+            y += 1
+        y += 0.5
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (one causal ring-attention forward)")
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=COLORS["forward"], label="compute (emulated)"),
+                       Patch(color=COLORS["idle"], label="waiting for the ring")],
+              loc="lower right", fontsize=8, frameon=False)
+    if caption:
+        ax.set_title(caption, fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return ax
+
+
+def draw_memory_vs_length(measured: dict[int, dict[int, float]],
+                          predicted: dict[int, dict[int, float]] | None = None,
+                          caption: str = "", ax=None):
+    """Bytes per rank against the sequence length, one line per cp: ``measured[cp][s]``
+    (dots and line) and ``predicted[cp][s]`` (dashed). Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5.5, 3.2))
+    for cp, points in sorted(measured.items()):
+        xs = sorted(points)
+        line, = ax.plot(xs, [points[s] / 2**20 for s in xs], "o-", label=f"c = {cp}, measured")
+        if predicted and cp in predicted:
+            ax.plot(xs, [predicted[cp][s] / 2**20 for s in xs], "--", color=line.get_color(),
+                    label=f"c = {cp}, formula")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length s")
+    ax.set_ylabel("MiB saved for backward, per rank")
+    ax.legend(fontsize=8, frameon=False)
+    if caption:
+        ax.set_title(caption, fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return ax
+
+
+__all__ = ["AXIS_STYLE", "COLORS", "WHO_PAYS", "draw_causal_imbalance", "draw_collective",
+           "draw_memory_vs_length", "draw_timeline", "run_label"]

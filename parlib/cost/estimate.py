@@ -14,6 +14,13 @@ What the model assumes, in one place:
 - Tensor parallelism: 2 all-reduces of (b, s, h) per layer forward, 2 backward (one more
   forward's worth with full recomputation), on the critical path. Sequence parallelism
   (default on) moves the same bytes and splits the norms' activations too.
+- Context parallelism (c > 1): every rank holds s/c positions (zig-zag split: the causal
+  work is balanced), so activations, logits, TP and pipeline messages are /c; attention
+  runs blockwise (a fused kernel: no scores stored) and keeps an fp32 log-sum-exp per query
+  row. Ring attention per layer: c - 1 K/V blocks forward (again with full recomputation),
+  c - 1 K/V blocks plus their gradients backward, each step's transfer overlapping that
+  step's attention compute (1/c of the layer's attention); only the excess is exposed.
+  cp ranks hold the same weights: the gradient sync (and ZeRO's sharding) runs over d x c.
 - Pipeline: 1F1B, interleaved over v model chunks per rank when v > 1; the bubble is
   bubble_fraction(p, m, v) of the step; each of the v*m + p - 1 slots sends one boundary
   forward and one back, 1/t of it per TP rank (Megatron's scatter/gather). The first stage
@@ -30,15 +37,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parlib.cost.collectives import collective_time, message_time, predicted_sent_bytes
+from parlib.cost.context import LSE_BYTES, kv_block_bytes, ring_attention_sent_bytes_per_layer
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.memory import activation_bytes_per_layer, logits_bytes, model_state_bytes_by_kind
-from parlib.cost.model import Model
+from parlib.cost.model import BACKWARD_PER_FORWARD, Model
 from parlib.cost.pipeline import boundary_bytes, bubble_fraction, in_flight_microbatches
 from parlib.cost.tensor import ALL_REDUCES_PER_LAYER, tp_message_bytes, tp_sent_bytes_per_layer
 
 RECOMPUTE = (False, "selective", True)  # True means full recomputation
-STEP_PARTS = ("compute", "tp_comm", "pp_bubble", "pp_send", "dp_sync")  # they sum to a step
+# they sum to a step
+STEP_PARTS = ("compute", "tp_comm", "cp_comm", "pp_bubble", "pp_send", "dp_sync")
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "pipeline_in_flight")
 
 
@@ -49,10 +58,11 @@ class Estimate:
     ``memory`` holds bytes per device of the worst pipeline stage (``stage``): params,
     grads, optimizer, activations (one microbatch), pipeline_in_flight (the others held).
     ``time`` holds the parts of a step, which add up to ``step_time``: compute, tp_comm,
-    pp_bubble, pp_send and dp_sync (the exposed part of the gradient sync), and beside
-    them dp_sync_total and dp_sync_hidden (the part that overlaps backward).
+    cp_comm (the exposed part of ring attention's K/V traffic), pp_bubble, pp_send and
+    dp_sync (the exposed part of the gradient sync), and beside them cp_comm_total,
+    cp_comm_hidden, dp_sync_total and dp_sync_hidden (the parts that overlap compute).
     ``bytes_sent`` (per device per step) and ``links`` ("intra-node", "inter-node" or
-    "none") are keyed by axis name ("tp", "pp", "dp"). ``layout.tp`` and so on are the
+    "none") are keyed by axis name ("pp", "dp", "cp", "tp"). ``layout.tp`` and so on are the
     sizes; ``m`` microbatches per step per data-parallel rank, ``v`` model chunks per
     pipeline rank.
     """
@@ -180,6 +190,10 @@ def check_layout(model: Model, n_devices: int, layout: Layout, *, m: int,
     if v > 1 and m % p:
         raise ValueError(f"the interleaved schedule (v = {v}) needs m a multiple of p; got "
                          f"m = {m}, p = {p}")
+    c = layout.cp
+    if c > 1 and model.seq_len % (2 * c):
+        raise ValueError(f"c = {c} needs the sequence length {model.seq_len} to split into "
+                         f"2c = {2 * c} equal chunks (the zig-zag split)")
     if global_batch % (d * m):
         raise ValueError(f"global_batch = {global_batch} is not divisible by d x m = {d} x {m}"
                          f" = {d * m}: each data-parallel rank runs m equal microbatches")
@@ -201,9 +215,10 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               mixed_precision: bool, dp_overlap: bool = True) -> Estimate:
     """The estimate, inputs already checked (the planner calls this directly)."""
     s, h, L = model.seq_len, model.d_model, model.n_layers
-    d, t, p = layout.dp, layout.tp, layout.pp
+    d, t, p, c = layout.dp, layout.tp, layout.pp, layout.cp
     n = hardware.n_devices
     b = global_batch // (d * m)
+    s_local = s // c  # positions per context-parallel rank
     act_bytes = 2 if mixed_precision else 4
     full = recompute is True
     spans = {k: layout.span(k) for k in layout}
@@ -219,20 +234,25 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         stages = {"first": layer_params + model.embedding_params,
                   "last": layer_params + model.head_params + tied_copy}
     mode = {False: "none", "selective": "selective", True: "full"}[recompute]
+    if c > 1 and mode == "none":
+        mode = "selective"  # blockwise attention stores no scores
     per_layer = activation_bytes_per_layer(
-        s, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
+        s_local, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
         recompute=mode, dtype_bytes=act_bytes, dropout=model.dropout, ffn_dim=model.ffn_dim,
         kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
+    if c > 1 and not full:
+        per_layer += model.n_heads / t * s_local * b * LSE_BYTES
     working = 0.0
     if full:  # the layer being recomputed holds its whole activations during its backward
         working = activation_bytes_per_layer(
-            s, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
+            s_local, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
             dtype_bytes=act_bytes, dropout=model.dropout, ffn_dim=model.ffn_dim,
-            kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
-    logits = logits_bytes(s, b, model.vocab_size, t=t, dtype_bytes=act_bytes)
+            kv_dim=model.kv_dim, gated_mlp=model.gated_mlp, **(
+                {"recompute": "selective"} if c > 1 else {}))
+    logits = logits_bytes(s_local, b, model.vocab_size, t=t, dtype_bytes=act_bytes)
     candidates = []
     for stage, params in stages.items():
-        states = model_state_bytes_by_kind(params / t, d, zero, mixed_precision)
+        states = model_state_bytes_by_kind(params / t, d * c, zero, mixed_precision)
         # layers' worth of activations held: one microbatch through the stage, or all in flight
         held = in_flight_microbatches(p, m, v) * layers // v if stage == "first" else layers
         states["activations"] = layers * per_layer + working + (
@@ -255,51 +275,83 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     tp_comm = tp_bytes = 0.0
     if t > 1:
         per_layer_count = sum(ALL_REDUCES_PER_LAYER[x] for x in passes)
-        one_all_reduce = collective_time("all_reduce", tp_message_bytes(b, s, h, act_bytes),
+        one_all_reduce = collective_time("all_reduce",
+                                         tp_message_bytes(b, s_local, h, act_bytes),
                                          t, links["tp"].alpha, links["tp"].beta)
         tp_comm = m * layers * per_layer_count * one_all_reduce
-        tp_bytes = m * layers * tp_sent_bytes_per_layer(b, s, h, t, act_bytes, passes)
+        tp_bytes = m * layers * tp_sent_bytes_per_layer(b, s_local, h, t, act_bytes, passes)
+
+    # ---- context parallelism: ring attention's K/V blocks, each step's transfer behind
+    # that step's block of attention compute (1/c of the layer's attention on this rank)
+    cp_total = cp_hidden = cp_bytes = 0.0
+    if c > 1:
+        kv_per_rank = model.kv_dim / t  # tensor parallelism splits the K/V heads too
+        block = kv_block_bytes(b, s, kv_per_rank, c, act_bytes)
+        rate = hardware.peak_flops * hardware.compute_efficiency
+        attn_step = model.layer_attention_flops_per_token * b * s_local / t / c / rate
+        link = links["cp"]
+        fwd = message_time(block, link.alpha, link.beta)  # one K/V block per step
+        bwd = message_time(2 * block, link.alpha, link.beta)  # the block and its gradient
+        n_fwd = passes.count("forward")
+        per_layer_total = (c - 1) * (n_fwd * fwd + bwd)
+        per_layer_hidden = (c - 1) * (n_fwd * min(fwd, attn_step)
+                                      + min(bwd, BACKWARD_PER_FORWARD * attn_step))
+        cp_total = m * layers * per_layer_total
+        cp_hidden = m * layers * per_layer_hidden
+        cp_bytes = m * layers * ring_attention_sent_bytes_per_layer(
+            b, s, kv_per_rank, c, act_bytes, passes)
+    cp_comm = cp_total - cp_hidden
 
     # ---- pipeline: bubble and boundary sends
-    busy = compute + tp_comm
+    busy = compute + tp_comm + cp_comm
     pp_bubble = pp_send = pp_bytes = 0.0
     if p > 1:
         f = bubble_fraction(p, m, v)
         pp_bubble = busy * f / (1 - f)
-        boundary = boundary_bytes(b, s, h, act_bytes) / t
+        boundary = boundary_bytes(b, s_local, h, act_bytes) / t
         slots = v * m + p - 1
         pp_send = 2 * slots * message_time(boundary, links["pp"].alpha, links["pp"].beta)
         pp_bytes = 2 * v * m * boundary
 
-    # ---- data parallelism: gradient sync, partly hidden behind backward
+    # ---- data parallelism: gradient sync over d x c (cp ranks hold the same weights),
+    # partly hidden behind backward
     dp_total = dp_bytes = 0.0
-    if d > 1:
+    sync = d * c
+    if sync > 1:
         per = model_state_bytes_by_kind(params_per_device, 1, 0, mixed_precision)
-        link = links["dp"]
+        link = links["dp"] if d > 1 else links["cp"]
         if zero == 0:
             ops = [(1, "all_reduce", per["grads"])]
         elif zero in (1, 2):
             ops = [(1, "reduce_scatter", per["grads"]), (1, "all_gather", per["params"])]
         else:  # ZeRO-3 gathers the weights for forward and again for backward, every microbatch
             ops = [(2 * m, "all_gather", per["params"]), (m, "reduce_scatter", per["grads"])]
-        dp_total = sum(k * collective_time(op, nbytes, d, link.alpha, link.beta)
+        dp_total = sum(k * collective_time(op, nbytes, sync, link.alpha, link.beta)
                        for k, op, nbytes in ops)
-        dp_bytes = sum(k * predicted_sent_bytes(op, nbytes, d) for k, op, nbytes in ops)
+        dp_bytes = sum(k * predicted_sent_bytes(op, nbytes, sync) for k, op, nbytes in ops)
     # Gradients of the last microbatch appear during its backward: 2/3 of its model FLOPs
     # (recomputed forwards produce no gradients, so they widen no window).
     window = busy if zero == 3 else busy * (model_flops / hardware_flops) / m * (2 / 3)
     dp_hidden = min(dp_total, window) if dp_overlap else 0.0
 
-    time = {"compute": compute, "tp_comm": tp_comm, "pp_bubble": pp_bubble,
+    time = {"compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm,
+            "cp_comm_total": cp_total, "cp_comm_hidden": cp_hidden, "pp_bubble": pp_bubble,
             "pp_send": pp_send, "dp_sync": dp_total - dp_hidden,
             "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden}
     return Estimate(model=model, hardware=hardware, layout=layout, m=m, v=v,
                    global_batch=global_batch, zero=zero, recompute=recompute, micro_batch=b,
                    memory=memory, time=time,
-                   bytes_sent={"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes},
-                   links={k: _where(hardware, span, layout[k]) for k, span in spans.items()},
+                   bytes_sent={"pp": pp_bytes, "dp": dp_bytes, "cp": cp_bytes, "tp": tp_bytes},
+                   links=_links(hardware, layout, spans),
                    stage=stage,
                    model_flops=model_flops, hardware_flops=hardware_flops)
+
+
+def _links(hardware: Hardware, layout: Layout, spans: dict[str, int]) -> dict[str, str]:
+    where = {k: _where(hardware, span, layout[k]) for k, span in spans.items()}
+    if layout.dp == 1 and layout.cp > 1:  # the gradient sync ("dp") runs over the cp group
+        where["dp"] = where["cp"]
+    return where
 
 
 def _where(hardware: Hardware, span: int, degree: int) -> str:

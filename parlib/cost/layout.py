@@ -1,9 +1,9 @@
 """A layout: how many ways each axis of parallelism splits the work, and how ranks are numbered.
 
 The axes are data (:data:`AXES`), listed in **rank order**, slowest-varying first; the last
-one varies fastest (row-major, like a C array of shape (pp, dp, tp))::
+one varies fastest (row-major, like a C array of shape (pp, dp, cp, tp))::
 
-    rank = (pp_index * dp + dp_index) * tp + tp_index
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
 Why this order:
 
@@ -15,8 +15,11 @@ Why this order:
   per boundary). torchtitan (``["pp", "dp", "tp"]``) and Megatron-LM (tp, dp, pp from
   fastest to slowest) use the same order.
 
-Room for more axes: context parallelism (cp) goes between dp and tp, as torchtitan orders
-them (pp, dp, cp, tp); expert parallelism (ep) gets no place of its own in the order, its
+- **cp between dp and tp**, as torchtitan orders them (pp, dp, cp, tp): context parallelism
+  talks at every layer (K/V blocks), less than tensor parallelism but more than data
+  parallelism, so its group is the next to stay inside a node.
+
+Room for more axes: expert parallelism (ep) gets no place of its own in the order, its
 groups borrow the ranks of dp x cp. Adding one is an entry in :data:`AXES`, its formulas in
 this package and its strategy file.
 
@@ -49,6 +52,7 @@ class Axis:
 AXES: tuple[Axis, ...] = (
     Axis("pp", "p", "pipeline", "the layers, into consecutive stages", pipeline=True),
     Axis("dp", "d", "data", "the batch; every rank keeps a whole copy of its part of the model"),
+    Axis("cp", "c", "context", "the sequence; attention passes keys and values between ranks"),
     Axis("tp", "t", "tensor", "each layer's weight matrices, by rows or columns"),
 )
 AXIS_NAMES: tuple[str, ...] = tuple(a.name for a in AXES)

@@ -16,8 +16,16 @@ from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 
 _WHY_FASTER = {"compute": "less compute", "tp_comm": "less tensor-parallel traffic",
+               "cp_comm": "less exposed ring-attention traffic",
                "pp_bubble": "a smaller pipeline bubble", "pp_send": "fewer stage-boundary sends",
                "dp_sync": "less gradient sync on the critical path"}
+
+
+MAX_CP = 32  # Llama 3 trained 128k-token sequences with c = 16
+# The estimate charges no loss of kernel efficiency on short blocks, which is what makes a
+# short sequence split c ways slow in practice; so the search tries cp only where every rank
+# keeps at least this many positions (Llama 3: 128k / 16 = 8k).
+MIN_CP_POSITIONS = 4096
 
 
 def divisors(n: int) -> list[int]:
@@ -28,8 +36,10 @@ def divisors(n: int) -> list[int]:
 
 def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
                       ) -> Iterator[tuple[Layout, int, int]]:
-    """Every valid (layout, m, v): t divides the heads, p the layers, v the layers per
-    stage, d x m the global batch, and m is a multiple of p when v > 1."""
+    """Every valid (layout, m, v): t divides the heads, p the layers, 2c the sequence (the
+    zig-zag split; c at most :data:`MAX_CP` and s/c at least :data:`MIN_CP_POSITIONS`, which
+    keeps the search small), v the layers per stage, d x m the global batch, and m is a
+    multiple of p when v > 1."""
     n = hardware.n_devices
     for t in divisors(n):
         if model.n_heads % t:
@@ -37,15 +47,19 @@ def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
         for p in divisors(n // t):
             if model.n_layers % p:
                 continue
-            d = n // (t * p)
-            if global_batch % d:
-                continue
-            layout = Layout(dp=d, tp=t, pp=p)
-            chunks = divisors(model.n_layers // p) if p > 1 else [1]
-            for m in divisors(global_batch // d):
-                for v in chunks:
-                    if v == 1 or m % p == 0:
-                        yield layout, m, v
+            for c in divisors(n // (t * p)):
+                if c > 1 and (c > MAX_CP or model.seq_len % (2 * c)
+                              or model.seq_len // c < MIN_CP_POSITIONS):
+                    continue
+                d = n // (t * p * c)
+                if global_batch % d:
+                    continue
+                layout = Layout(dp=d, cp=c, tp=t, pp=p)
+                chunks = divisors(model.n_layers // p) if p > 1 else [1]
+                for m in divisors(global_batch // d):
+                    for v in chunks:
+                        if v == 1 or m % p == 0:
+                            yield layout, m, v
 
 
 def _simplicity(est: Estimate) -> tuple:
@@ -78,7 +92,7 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
     for layout, m, v in candidate_layouts(model, hardware, global_batch):
         split = _split(layout)
         for recompute in RECOMPUTE:
-            for zero in ((0, 1, 2, 3) if layout.dp > 1 else (0,)):
+            for zero in ((0, 1, 2, 3) if layout.dp * layout.cp > 1 else (0,)):
                 est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                                 sequence_parallel, mixed_precision)
                 if not est.fits:
@@ -95,18 +109,20 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
 
 
 def _split(layout: Layout) -> int:
-    """How many ways the model's weights are split: every axis but data parallelism's."""
-    return layout.world // layout.dp
+    """How many ways the model's weights are split: every axis but data and context
+    parallelism's (a cp rank holds the whole weights of its stage and tensor shard)."""
+    return layout.world // (layout.dp * layout.cp)
 
 
 def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
     """One line: why this much splitting, where the tensor-parallel group sits, what binds."""
     split = _split(est.layout)
     cap = est.hardware.memory_bytes
+    pure = "pure data parallelism" if est.layout.cp == 1 else "data and context parallelism"
     if split == 1 and est.zero:
-        why = f"pure data parallelism, the model state sharded by ZeRO-{est.zero}"
+        why = f"{pure}, the model state sharded by ZeRO-{est.zero}"
     elif split == 1:
-        why = (f"pure data parallelism: a whole copy fits on one device "
+        why = (f"{pure}: a whole copy fits on one device "
                f"({est.memory_total / GB:.1f} of {cap / GB:.0f} GB)")
     elif split == smallest_split:
         why = f"the weights need {split}-way splitting to fit"
@@ -126,6 +142,11 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
     if est.layout.tp > 1:
         parts.append("kept in one node" if est.links["tp"] == "intra-node"
                      else "tensor parallelism spans nodes")
+    if est.layout.cp > 1:
+        total = est.time["cp_comm_total"]
+        hidden = est.time["cp_comm_hidden"] / total if total else 1.0
+        parts.append(f"the sequence split {est.layout.cp} ways (activations / "
+                     f"{est.layout.cp}, ring K/V {hidden:.0%} hidden behind attention)")
     if est.layout.pp > 1:
         bubble = est.time["pp_bubble"] / est.step_time
         parts.append(f"m = {est.m}" + (f", v = {est.v}" if est.v > 1 else "")
@@ -141,4 +162,4 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["best_layouts", "candidate_layouts", "divisors"]
+__all__ = ["MAX_CP", "MIN_CP_POSITIONS", "best_layouts", "candidate_layouts", "divisors"]

@@ -128,6 +128,15 @@ class _Ring:
         return works, recv
 
 
+def ring_schedule(group: Any, seq_len: int, layout: str = "contiguous",
+                  causal: bool = True) -> list[list[tuple[slice, slice, bool]]]:
+    """Per ring step, the (query slice, key slice, diagonal) chunk pairs this rank of
+    ``group`` computes in ring attention over ``seq_len`` positions (what the mask leaves)."""
+    _require_group(group, "ring_schedule")
+    ring = _Ring(group, seq_len // dist.get_world_size(group), layout, causal)
+    return [ring.pairs(step) for step in range(ring.cp)]
+
+
 def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     return t[..., rows, :]  # (b, a, s, d) -> the positions ``rows``
 
@@ -344,5 +353,5 @@ def mean_over_group(value: torch.Tensor, group: Any) -> torch.Tensor:
 __all__ = ["ATTENTIONS", "AllGatherKV", "LAYOUTS", "ContextParallelAttention",
            "ContextParallelEmbed", "RingAttention", "all_gather_attention",
            "average_gradients", "block_attention", "context_parallel_copy",
-           "mean_over_group", "merge_partials", "ring_attention", "sequence_positions",
-           "split_sequence"]
+           "mean_over_group", "merge_partials", "ring_attention", "ring_schedule",
+           "sequence_positions", "split_sequence"]

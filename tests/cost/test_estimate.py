@@ -17,7 +17,8 @@ def test_hand_worked_layout():
     est = estimate(TOY, TOY_HW, Layout(dp=2, tp=2), m=2, global_batch=8,
                    mixed_precision=False)
     assert TOY.n_params == 3808 and est.micro_batch == 2
-    assert est.links == {"tp": "intra-node", "dp": "inter-node", "pp": "none"}
+    assert est.links == {"tp": "intra-node", "dp": "inter-node", "pp": "none", "cp": "none"}
+    assert est.time["cp_comm"] == est.bytes_sent["cp"] == 0
     # compute: 20736 FLOPs/token x 32 tokens / 4 devices / 1e9 = 165.888 us
     assert est.time["compute"] == pytest.approx(165.888e-6)
     # TP: message b*s*h*4 = 256 B; all-reduce on 2: 2 alphas + 256 B x 1 ns = 2.256 us;
@@ -74,8 +75,50 @@ def test_a_mapping_of_axis_sizes_is_taken_as_a_layout():
         estimate(TOY, TOY_HW, (2, 2, 1), m=2, global_batch=8)
     with pytest.raises(ValueError, match=r"layout must be a parlib.cost.Layout"):
         check_layout(TOY, 4, {"dp": 4}, m=1, global_batch=4)
-    with pytest.raises(ValueError, match="unknown axis 'cp'"):
+    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+        estimate(TOY, TOY_HW, {"ep": 4}, m=1, global_batch=4)
+    with pytest.raises(ValueError, match=r"c = 4 needs the sequence length 4 to split into "
+                                         r"2c = 8 equal chunks"):
         estimate(TOY, TOY_HW, {"cp": 4}, m=1, global_batch=4)
+
+
+def test_hand_worked_context_parallel_layout():
+    # d=2, c=2, m=2, global batch 8 -> b = 2 sequences of s = 4, 2 positions per cp rank
+    est = estimate(TOY, TOY_HW, Layout(dp=2, cp=2), m=2, global_batch=8,
+                   mixed_precision=False)
+    assert est.micro_batch == 2
+    assert est.links == {"pp": "none", "dp": "inter-node", "cp": "intra-node", "tp": "none"}
+    assert est.time["compute"] == pytest.approx(165.888e-6)  # cp moves work, adds none
+    # one K/V block: 2 x b x s/c x kv_dim x 4 B = 2 x 2 x 2 x 8 x 4 = 256 B; per layer one
+    # forward step (1 us + 256 ns) and one backward step (block + gradient: 1 us + 512 ns)
+    assert est.time["cp_comm_total"] == pytest.approx(2 * 4 * (1.256 + 1.512) * 1e-6)
+    # each step hides behind its attention block: 4sh x b x s/c / c FLOPs = 256 ns forward,
+    # twice that backward; exposed 1.0 + 1.0 us per layer, 8 layer-microbatches
+    assert est.time["cp_comm_hidden"] == pytest.approx(8 * (0.256 + 0.512) * 1e-6)
+    assert est.time["cp_comm"] == pytest.approx(16e-6)
+    assert est.bytes_sent["cp"] == 8 * 3 * 256  # 3 blocks sent per layer, 8 layer-mbs
+    # cp ranks hold the same weights: the gradients sync over d x c = 4 ranks
+    flat = estimate(TOY, TOY_HW, Layout(dp=4), m=1, global_batch=8, mixed_precision=False)
+    assert est.time["dp_sync_total"] == pytest.approx(flat.time["dp_sync_total"])
+    # activations per layer at s/c = 2, fp32, no scores: kept 512 B + split 1536 B, plus
+    # the fp32 log-sum-exp a x s/c x b x 4 = 32 B; 4 layers and logits s/c x b x V x 8
+    assert est.memory["activations"] == 4 * (512 + 1536 + 32) + 512
+    assert est.memory["params"] == 3808 * 4  # not split: cp splits the sequence only
+
+
+def test_context_parallelism_divides_activations_and_hides_behind_long_attention():
+    model = Model(8, 1024, 16, 32768, 32000)  # one long sequence per step
+    hw = Hardware(8, 8, 80e9, 1e15, Link(5e-6, 300e9), Link(2e-5, 25e9))
+    one = estimate(model, hw, Layout(dp=8), m=1, global_batch=8, recompute="selective")
+    # one sequence per data-parallel rank (b = 1) whatever c takes of the 8 devices
+    acts = {c: estimate(model, hw, Layout(dp=8 // c, cp=c), m=1, global_batch=8 // c,
+                        recompute="selective").memory["activations"] for c in (1, 2, 4, 8)}
+    assert acts[1] == one.memory["activations"]
+    for c in (2, 4, 8):  # a bit more than 1/c: the log-sum-exp rows
+        assert acts[1] / c < acts[c] < 1.01 * acts[1] / c
+    est = estimate(model, hw, Layout(dp=1, cp=8), m=1, global_batch=8, recompute="selective")
+    assert est.time["cp_comm_total"] > 0 and est.time["cp_comm"] == 0  # all of it hidden
+    assert est.links["dp"] == est.links["cp"] == "intra-node"
 
 
 BIG = Model(32, 4096, 32, 4096, 32000)  # a GPT-style 6.6B model

@@ -14,30 +14,41 @@ SHAPES = [dict(dp=2, tp=2, pp=2), dict(tp=2, pp=4), dict(dp=4, pp=2), dict(dp=2,
 
 
 def test_axes_are_data_in_rank_order():
-    assert AXIS_NAMES == ("pp", "dp", "tp")  # slowest to fastest varying
-    assert [a.symbol for a in AXES] == ["p", "d", "t"]
+    assert AXIS_NAMES == ("pp", "dp", "cp", "tp")  # slowest to fastest varying
+    assert [a.symbol for a in AXES] == ["p", "d", "c", "t"]
     assert PIPELINE.name == "pp" and sum(a.pipeline for a in AXES) == 1
     assert axis("tp").title == "tensor"
-    with pytest.raises(ValueError, match="unknown axis 'cp'; the axes are pp, dp, tp"):
-        axis("cp")
+    with pytest.raises(ValueError, match="unknown axis 'ep'; the axes are pp, dp, cp, tp"):
+        axis("ep")
 
 
 def test_rank_order_by_hand_tp_fastest_pp_slowest():
     # (pp, dp, tp) = (2, 2, 2): rank = (pp * 2 + dp) * 2 + tp
     lay = Layout(dp=2, pp=2, tp=2)
-    assert lay.coords(0) == {"pp": 0, "dp": 0, "tp": 0}
-    assert lay.coords(1) == {"pp": 0, "dp": 0, "tp": 1}
-    assert lay.coords(2) == {"pp": 0, "dp": 1, "tp": 0}
-    assert lay.coords(4) == {"pp": 1, "dp": 0, "tp": 0}
+    assert lay.coords(0) == {"pp": 0, "dp": 0, "cp": 0, "tp": 0}
+    assert lay.coords(1) == {"pp": 0, "dp": 0, "cp": 0, "tp": 1}
+    assert lay.coords(2) == {"pp": 0, "dp": 1, "cp": 0, "tp": 0}
+    assert lay.coords(4) == {"pp": 1, "dp": 0, "cp": 0, "tp": 0}
     # (pp, dp, tp) = (2, 3, 2): rank 11 = (1 * 3 + 2) * 2 + 1
-    assert Layout(dp=3, pp=2, tp=2).coords(11) == {"pp": 1, "dp": 2, "tp": 1}
+    assert Layout(dp=3, pp=2, tp=2).coords(11) == {"pp": 1, "dp": 2, "cp": 0, "tp": 1}
     assert Layout(dp=3, pp=2, tp=2).rank_at({"pp": 1, "dp": 2, "tp": 1}) == 11
     assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert lay.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert lay.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert lay.pipeline_neighbours(1) == (None, 5) and lay.pipeline_neighbours(6) == (2, None)
-    assert [lay.stride(a) for a in AXIS_NAMES] == [4, 2, 1]
-    assert [lay.span(a) for a in AXIS_NAMES] == [8, 4, 2]
+    assert [lay.stride(a) for a in AXIS_NAMES] == [4, 2, 2, 1]
+    assert [lay.span(a) for a in AXIS_NAMES] == [8, 4, 2, 2]
+
+
+def test_cp_sits_between_dp_and_tp():
+    # (pp, dp, cp, tp) = (1, 2, 2, 2): rank = (dp * 2 + cp) * 2 + tp
+    lay = Layout(dp=2, cp=2, tp=2)
+    assert lay.coords(6) == {"pp": 0, "dp": 1, "cp": 1, "tp": 0}
+    assert lay.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # t apart, inside d's block
+    assert lay.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [lay.span(a) for a in AXIS_NAMES] == [8, 8, 4, 2]
+    assert str(lay) == "t=2 x c=2 x d=2" and axis("cp").title == "context"
 
 
 @pytest.mark.parametrize("sizes", SHAPES)
@@ -62,8 +73,9 @@ def test_groups_partition_the_world_and_round_trip(sizes):
 
 def test_a_mapping_of_axis_sizes():
     lay = Layout(tp=2, dp=2)
-    assert list(lay) == ["pp", "dp", "tp"] and dict(lay) == {"pp": 1, "dp": 2, "tp": 2}
-    assert lay["tp"] == lay.tp == 2 and lay.pp == 1 and "tp" in lay and "cp" not in lay
+    assert list(lay) == ["pp", "dp", "cp", "tp"]
+    assert dict(lay) == {"pp": 1, "dp": 2, "cp": 1, "tp": 2}
+    assert lay["tp"] == lay.tp == 2 and lay.pp == lay.cp == 1 and "tp" in lay and "ep" not in lay
     assert lay == Layout(dp=2, tp=2) != Layout(dp=4) and len({lay, Layout(dp=2, tp=2)}) == 1
     assert Layout.of({"dp": 2, "tp": 2}) == lay and Layout.of(lay) is lay
     assert lay.with_(tp=4) == Layout(dp=2, tp=4) and lay.tp == 2
@@ -79,8 +91,8 @@ def test_one_name_fastest_axis_first_size_one_left_out():
 
 
 def test_bad_layouts_and_coordinates_are_named():
-    with pytest.raises(ValueError, match="unknown axis 'cp'"):
-        Layout(cp=2)
+    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+        Layout(ep=2)
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match=r"layout size tp=.* must be a whole number >= 1"):
             Layout(tp=bad)
@@ -89,8 +101,8 @@ def test_bad_layouts_and_coordinates_are_named():
         lay.coords(8)
     with pytest.raises(ValueError, match="rank -1 is outside"):
         lay.axis_ranks("tp", -1)
-    with pytest.raises(ValueError, match="unknown axis 'cp'"):
-        lay.axis_ranks("cp", 0)
+    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+        lay.axis_ranks("ep", 0)
     with pytest.raises(ValueError, match="unknown axis 'ep'"):
         lay.groups("ep")
     with pytest.raises(ValueError, match=r"tp index 2 is outside \[0, 2\)"):
@@ -98,8 +110,8 @@ def test_bad_layouts_and_coordinates_are_named():
     with pytest.raises(ValueError, match="lack axis 'dp'"):
         lay.rank_at({"pp": 0, "tp": 1})
     assert Layout(tp=2).rank_at({"tp": 1}) == 1  # a size-1 axis may be left out: index 0
-    with pytest.raises(KeyError, match="unknown axis 'cp'"):
-        lay["cp"]
+    with pytest.raises(KeyError, match="unknown axis 'ep'"):
+        lay["ep"]
     with pytest.raises(AttributeError, match="read-only"):
         lay.tp = 4
     with pytest.raises(ValueError, match="must be a Layout"):

@@ -100,3 +100,27 @@ def test_every_layout_the_planner_tries_is_one_estimate_accepts():
         estimate(LLAMA_7B, hardware, layout, m=m, v=v, global_batch=256)
     assert any(v > 1 for *_, v in tried) and any(lay.pp == 1 for lay, _, _ in tried)
     assert len(set(tried)) == len(tried)
+
+
+LLAMA_7B_128K = Model(32, 4096, 32, 131072, 32000, ffn_dim=11008, gated_mlp=True, bias=False,
+                      learned_positions=False, n_kv_heads=8, name="7B at 128k")
+
+
+def test_a_long_sequence_is_split_over_context_parallel_ranks():
+    hw = Hardware.dgx_h100(64)
+    start = time.perf_counter()
+    ranked = best_layouts(LLAMA_7B_128K, hw, global_batch=8, top=3)
+    assert time.perf_counter() - start < 5  # cp adds one bounded loop to the search
+    assert ranked and all(e.layout.cp > 1 for e in ranked), ranked
+    best = ranked[0]
+    assert "the sequence split" in best.reason and "hidden behind attention" in best.reason
+    # tensor parallelism within a node fits too, but its all-reduces of (s, h) are exposed
+    tp = estimate(LLAMA_7B_128K, hw, Layout(dp=8, tp=8), m=1, global_batch=8, zero=3,
+                  recompute="selective")
+    assert tp.fits and tp.time["tp_comm"] > 0 and best.step_time < tp.step_time
+    assert best.time["cp_comm"] < best.time["cp_comm_total"]  # some of the ring is hidden
+    # short sequences are never split: each rank would keep under MIN_CP_POSITIONS
+    from parlib.cost.planner import MIN_CP_POSITIONS, candidate_layouts
+    assert LLAMA_7B.seq_len // 2 < MIN_CP_POSITIONS
+    assert all(lay.cp == 1 for lay, _, _ in candidate_layouts(LLAMA_7B, hw, 64))
+    assert any(lay.cp == 16 for lay, _, _ in candidate_layouts(LLAMA_7B_128K, hw, 8))

@@ -28,7 +28,7 @@ def test_the_six_layouts_are_every_split_of_four():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (lambda: L.Run(Layout(dp=2), m=1), "d=2: p x d x t = 2, not the 4 ranks"),
+    (lambda: L.Run(Layout(dp=2), m=1), "d=2: p x d x c x t = 2, not the 4 ranks"),
     (lambda: L.Run(Layout(dp=4), m=3), "d=4: .*not divisible"),
     (lambda: L.Run(Layout(pp=4), m=0), "p=4: m=0 microbatches must be"),
     (lambda: {"dp": 1, "pp": 4}, "a layout to run is a Run"),

@@ -19,8 +19,8 @@ def test_mesh_needs_ranks_and_one_way_to_give_the_layout():
         M.Mesh(dp=1, pp=1, tp=1)
     with pytest.raises(ValueError, match="not both"):
         M.Mesh(Layout(dp=2), tp=2)
-    with pytest.raises(ValueError, match="unknown axis 'cp'"):
-        M.Mesh(cp=2)
+    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+        M.Mesh(ep=2)
 
 
 def _mesh_on_ranks(layouts):

@@ -39,7 +39,7 @@ def expected_position(rank: int, d: int, t: int, p: int) -> dict[str, Any]:
     layout = Layout(dp=d, tp=t, pp=p)
     c = layout.coords(rank)
     prev, nxt = layout.pipeline_neighbours(rank)
-    return {**c, **{f"{a}_group": layout.axis_ranks(a, rank)
+    return {**{a: c[a] for a in ("pp", "dp", "tp")}, **{f"{a}_group": layout.axis_ranks(a, rank)
                     for a in ("tp", "dp", "pp")}, "pp_prev": prev, "pp_next": nxt}
 
 
