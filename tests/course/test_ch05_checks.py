@@ -157,10 +157,12 @@ def test_merge_accepts_worked_answer():
     assert r.passed, r
 
 
-def test_merge_accepts_parlibs_merge():
+def test_merge_refuses_parlibs_own_merge():
     from parlib.strategies.context_ops import merge_partials
 
-    assert check("05.merge_partials", merge_partials).passed
+    r = check("05.merge_partials", merge_partials)
+    assert not r.passed and r.diagnosis == "parlib_merge", r
+    assert "write your own" in r.message
 
 
 @pytest.mark.parametrize("mutant", sorted(MERGE_MUTANTS))
@@ -173,7 +175,7 @@ def test_merge_rejects_mutant_with_its_diagnosis(mutant):
 
 
 def test_every_merge_diagnosis_has_a_wrong_answer_that_reaches_it():
-    reached = {diagnosis for _, _, diagnosis in MERGE_MUTANTS.values()}
+    reached = {diagnosis for _, _, diagnosis in MERGE_MUTANTS.values()} | {"parlib_merge"}
     assert sorted(reached) == sorted(questions("05")["05.merge_partials"].diagnosis_names())
 
 
