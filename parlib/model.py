@@ -312,6 +312,8 @@ __all__ = [
     "MoE",
     "Routing",
     "route",
+    "capacity_keep",
+    "check_routing",
     "build_model",
     "make_batch",
     "loss_fn",

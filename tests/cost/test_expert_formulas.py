@@ -29,7 +29,6 @@ def test_parameters_per_rank_by_hand():
 
 
 def test_parameters_match_the_model():
-    import torch  # noqa: F401 - the model is torch; the formulas are not
     from parlib.model import ModelConfig, MoE
     cfg = ModelConfig(d_model=16, n_heads=2, n_experts=4, top_k=2, expert_hidden=24)
     moe = MoE(cfg)

@@ -25,12 +25,12 @@ from parlib.model import (
     ModelConfig,
     MoE,
     build_model,
+    capacity_keep,
     loss_fn,
     make_batch,
     make_optimizer,
     route,
 )
-from parlib.model import capacity_keep
 from parlib.strategies.experts import (
     ExpertParallelMoE,
     all_to_all,
