@@ -180,7 +180,9 @@ def _layer_vs_single(capacity_factor):
         out = ep_moe(x)
         n_forward = len(log.records)
         (out * g).sum().backward()
-    got = {n: p.grad.clone() for n, p in ep_moe.named_parameters()}
+    # a parameter autograd never reached (None) counts as a zero gradient: compared, not lost
+    got = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+           for n, p in ep_moe.named_parameters()}
     dist.all_reduce(got["router.weight"])  # each rank's router saw only its own tokens
     routing = ep_moe.last_routing
     same_routing = (torch.equal(routing.experts, want_routing.experts)
