@@ -141,6 +141,20 @@ def test_aux_loss_is_one_when_balanced_and_grows_with_imbalance():
     assert abs(balanced - 1) < 1e-6 and skewed > 2
 
 
+def test_aux_loss_of_the_model_sums_its_layers_and_reaches_the_routers():
+    model = build_model(CFG)
+    tokens, _ = make_batch(2, CFG)
+    model(tokens)
+    total = aux_loss(model)
+    assert compare([total], [sum(block.mlp.aux_loss for block in model.blocks)])
+    total.backward()
+    for block in model.blocks:
+        assert block.mlp.router.weight.grad.abs().sum() > 0
+    # the last layer's experts do not change where its tokens go (earlier ones feed the
+    # later routers)
+    assert all(p.grad is None for p in model.blocks[-1].mlp.experts.parameters())
+
+
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="E must be divisible by ep"):
         experts_of_rank(0, 3, 8)
