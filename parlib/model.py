@@ -6,6 +6,7 @@ into pipeline stages (consecutive blocks) or shard the matrices inside a block.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,12 @@ class ModelConfig:
     n_heads: int = 4
     n_layers: int = 4  # L
     mlp_ratio: int = 4
+    # A mixture of experts in place of each block's MLP when n_experts > 0 (0: the dense
+    # model, unchanged). Each expert is an MLP of width expert_hidden (0: mlp_ratio x h).
+    n_experts: int = 0  # E
+    top_k: int = 2  # k: experts per token
+    capacity_factor: float | None = None  # None: no expert ever drops a token
+    expert_hidden: int = 0
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -32,6 +39,11 @@ class ModelConfig:
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "mlp_ratio"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_experts:
+            check_routing(self.n_experts, self.top_k, self.capacity_factor)
+        if self.n_experts < 0 or self.expert_hidden < 0:
+            raise ValueError("n_experts and expert_hidden must be >= 0, got "
+                             f"{self.n_experts} and {self.expert_hidden}")
 
 
 class Embed(nn.Module):
@@ -84,15 +96,113 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+def check_routing(n_experts: int, top_k: int, capacity_factor: float | None) -> None:
+    """A clear error for a routing that cannot work."""
+    if n_experts < 1:
+        raise ValueError(f"a mixture of experts needs n_experts >= 1, got {n_experts}")
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 (or None), got {capacity_factor}")
+
+
+class Expert(nn.Module):
+    """One expert: a small MLP h -> f -> h (f = cfg.expert_hidden, or mlp_ratio x h)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = cfg.expert_hidden or cfg.mlp_ratio * cfg.d_model
+        self.up = nn.Linear(cfg.d_model, hidden)
+        self.down = nn.Linear(hidden, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+@dataclass
+class Routing:
+    """Where each of T tokens goes: ``experts`` (T, k) long, ``weights`` (T, k) (the
+    router's probabilities of those experts, not renormalised), ``keep`` (T, k) bool (False:
+    over the expert's capacity, dropped), ``probs`` (T, E), ``aux_loss`` (a scalar)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    keep: torch.Tensor
+    probs: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+def capacity_keep(experts: torch.Tensor, n_experts: int, capacity: int | None) -> torch.Tensor:
+    """(T, k) bool: which assignments fit. Each expert takes at most ``capacity``, first come
+    first served in choice-major order: every token's first choice (in token order) before
+    any second choice, so a token loses its second expert before another loses its first."""
+    if capacity is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    queue = experts.t().reshape(-1)  # choice-major: (k * T,)
+    onehot = F.one_hot(queue, n_experts)
+    place = (onehot.cumsum(0) * onehot).sum(1) - 1  # place in its expert's queue: 0, 1, ..
+    return (place < capacity).view(experts.shape[1], experts.shape[0]).t()
+
+
+def route(x: torch.Tensor, router: nn.Linear, top_k: int,
+          capacity_factor: float | None = None) -> Routing:
+    """The router on tokens x (T, h): softmax over the E experts, the top k, capacity
+    ceil(capacity_factor x T x k / E) per expert over these T tokens, and the Switch
+    Transformer's load-balancing loss E x sum_e f_e x P_e (f_e: the share of the T x k
+    choices that picked e, P_e: e's mean probability; 1 when perfectly balanced)."""
+    n_experts = router.out_features
+    check_routing(n_experts, top_k, capacity_factor)
+    probs = F.softmax(router(x), dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    capacity = None
+    if capacity_factor is not None:  # rounded to 9 places first: 1.25 x 32 is 40, not 40.0001
+        capacity = math.ceil(round(capacity_factor * x.shape[0] * top_k / n_experts, 9))
+    keep = capacity_keep(experts, n_experts, capacity)
+    share = F.one_hot(experts, n_experts).sum((0, 1)).to(probs.dtype) / experts.numel()
+    aux = n_experts * (share * probs.mean(0)).sum()
+    return Routing(experts, weights, keep, probs, aux)
+
+
+class MoE(nn.Module):
+    """A mixture of experts on one device: the router sends each token to its top-k
+    experts, and the output is the sum of their outputs times the router's weights.
+
+    A token over an expert's capacity gets nothing from that expert (zero from all of
+    them if every choice is dropped): in the block ``x + moe(ln(x))`` the residual passes
+    it through unchanged. ``aux_loss`` holds the last call's load-balancing loss (add
+    ``coef x aux_loss`` to the training loss to use it)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        check_routing(cfg.n_experts, cfg.top_k, cfg.capacity_factor)
+        self.top_k, self.capacity_factor = cfg.top_k, cfg.capacity_factor
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.n_experts))
+        self.aux_loss: torch.Tensor | None = None
+        self.last_routing: Routing | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])  # (b, s, h) -> (T, h)
+        r = route(tokens, self.router, self.top_k, self.capacity_factor)
+        self.aux_loss, self.last_routing = r.aux_loss, r
+        out = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):  # every expert runs, even on no rows
+            token, choice = torch.nonzero((r.experts == e) & r.keep, as_tuple=True)
+            y = expert(tokens[token]) * r.weights[token, choice, None]
+            out = out.index_add(0, token, y)
+        return out.view_as(x)
+
+
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)) (``mlp`` is a
+    :class:`MoE` when ``cfg.n_experts > 0``)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -198,6 +308,12 @@ __all__ = [
     "ModelConfig",
     "TinyGPT",
     "Block",
+    "Expert",
+    "MoE",
+    "Routing",
+    "route",
+    "capacity_keep",
+    "check_routing",
     "build_model",
     "make_batch",
     "loss_fn",

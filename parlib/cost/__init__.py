@@ -12,6 +12,8 @@
 - :mod:`parlib.cost.sharded`: bytes a ZeRO stage sends per step (shards padded to N pieces).
 - :mod:`parlib.cost.context`: ring and all-gather attention bytes, activation memory per
   context-parallel rank, causal work per rank.
+- :mod:`parlib.cost.experts`: mixture-of-experts parameters per ep rank, all-to-all bytes,
+  capacity and dropped tokens, compute per token, load imbalance.
 
 Built on them, the choosing chapter's cost model:
 
@@ -43,6 +45,17 @@ from parlib.cost.context import (
     ring_sends_per_layer,
 )
 from parlib.cost.estimate import Estimate, estimate
+from parlib.cost.experts import (
+    ep_all_to_all_bytes_per_layer,
+    ep_count_bytes_per_layer,
+    ep_expected_sent_fraction,
+    expert_capacity,
+    expert_flops_per_token,
+    expert_params,
+    load_imbalance,
+    moe_params_per_rank,
+    tokens_dropped,
+)
 from parlib.cost.hardware import Hardware, Link
 from parlib.cost.layout import AXES, Axis, Layout
 from parlib.cost.memory import (
@@ -113,4 +126,14 @@ __all__ = [
     "tp_message_bytes",
     "tp_sent_bytes_per_layer",
     "zero_sent_bytes_per_step",
+    # the experts chapter
+    "ep_all_to_all_bytes_per_layer",
+    "ep_count_bytes_per_layer",
+    "ep_expected_sent_fraction",
+    "expert_capacity",
+    "expert_flops_per_token",
+    "expert_params",
+    "load_imbalance",
+    "moe_params_per_rank",
+    "tokens_dropped",
 ]

@@ -40,12 +40,16 @@ def message_time(nbytes: float, alpha: float, beta: float) -> float:
 
 def collective_time(op: str, nbytes: float, n: int, alpha: float, beta: float) -> float:
     """Ring time of ``op`` on ``nbytes`` over ``n`` ranks: 2(n-1) steps for all-reduce,
-    n-1 for reduce-scatter and all-gather, each a message of nbytes/n."""
+    n-1 for reduce-scatter and all-gather, each a message of nbytes/n. An all-to-all of an
+    ``nbytes`` input split evenly: n-1 pairwise messages of nbytes/n (the n-th stays)."""
     if n <= 1:
         return 0.0
-    steps = {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1}
+    steps = {"all_reduce": 2 * (n - 1), "reduce_scatter": n - 1, "all_gather": n - 1,
+             "all_to_all": n - 1}
     if op not in steps:
         raise ValueError(f"no ring time for {op!r}: pick one of {', '.join(steps)}")
+    if op == "all_to_all":  # no ring: every rank sends its n-1 pieces for the others
+        return steps[op] * alpha + (n - 1) / n * nbytes * beta
     return steps[op] * alpha + predicted_sent_bytes(op, nbytes, n) * beta
 
 
