@@ -6,7 +6,6 @@ into pipeline stages (consecutive blocks) or shard the matrices inside a block.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from parlib.cost.experts import expert_capacity
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,7 @@ def route(x: torch.Tensor, router: nn.Linear, top_k: int,
     check_routing(n_experts, top_k, capacity_factor)
     probs = F.softmax(router(x), dim=-1)
     weights, experts = probs.topk(top_k, dim=-1)
-    capacity = None
-    if capacity_factor is not None:  # rounded to 9 places first: 1.25 x 32 is 40, not 40.0001
-        capacity = math.ceil(round(capacity_factor * x.shape[0] * top_k / n_experts, 9))
+    capacity = expert_capacity(x.shape[0] * top_k, n_experts, capacity_factor)
     keep = capacity_keep(experts, n_experts, capacity)
     share = F.one_hot(experts, n_experts).sum((0, 1)).to(probs.dtype) / experts.numel()
     aux = n_experts * (share * probs.mean(0)).sum()

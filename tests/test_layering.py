@@ -24,7 +24,7 @@ ALLOWED = {
     "parlib.comm": set(),
     "parlib.runtime": {"parlib.comm"},
     "parlib.measure": {"parlib.cost"},
-    "parlib.model": set(),
+    "parlib.model": {"parlib.cost"},
     "parlib.chapters": set(),
     "parlib.strategies": {"parlib.cost", "parlib.comm", "parlib.model", "parlib.chapters"},
     "parlib.verify": {"parlib.model"},
