@@ -31,6 +31,8 @@ class Chapter:
 CHAPTERS: tuple[Chapter, ...] = (
     Chapter("00", "launching", "launching_ranks", "Launching ranks", "the launching chapter"),
     Chapter("01", "data", "data_parallel", "Data parallelism", "the data-parallel chapter"),
+    Chapter("02", "sharded", "sharded_data_parallel", "Sharded data parallelism",
+            "the sharded-data-parallel chapter"),
     Chapter("03", "tensor", "tensor_parallel", "Tensor parallelism",
             "the tensor-parallel chapter"),
     Chapter("04", "pipeline", "pipeline_parallel", "Pipeline parallelism",
