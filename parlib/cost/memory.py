@@ -115,10 +115,10 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
     """Activation bytes a whole GPT (no dropout, attention that keeps no s x s scores, as
     ``scaled_dot_product_attention`` on the CPU) keeps for backward on one rank: ``n_layers``
     x :func:`activation_bytes_per_layer` (its "selective" count unless ``recompute`` is
-    "full": each layer's input only) plus the logits. 16-bit logits also keep the fp32 copy
-    of :func:`logits_bytes`; fp32 logits are that copy. The final norm's input and output
-    (2 x s x b x h) and the norms' statistics are not counted: they are the gap a
-    measurement shows."""
+    "full": each layer's input only), the final norm's input and output (2 x s x b x h),
+    and the logits the loss keeps: 16-bit logits also keep the fp32 copy of
+    :func:`logits_bytes`; fp32 logits are that copy. The norms' statistics (two values per
+    row and position) are not counted: they are the gap a measurement shows."""
     mode = "full" if recompute == "full" else "selective"
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -126,7 +126,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
                                        recompute=mode, dtype_bytes=dtype_bytes, dropout=False)
     logits = (logits_bytes(seq_len, micro_batch, vocab_size, dtype_bytes=dtype_bytes)
               if dtype_bytes < 4 else seq_len * micro_batch * vocab_size * dtype_bytes)
-    return n_layers * layer + logits
+    final_norm = 2 * seq_len * micro_batch * d_model * dtype_bytes
+    return n_layers * layer + final_norm + logits
 
 
 __all__ = ["RECOMPUTE_MODES", "activation_bytes_per_layer", "adam_bytes_per_param", "logits_bytes",

@@ -115,9 +115,9 @@ class Sharded:
         return saved
 
 
-def _probe(run: Sharded, samples: list, step: int) -> tuple[SavedActivations, list]:
+def _probe(run: Sharded, samples: list, step: int) -> tuple[SavedActivations, list, Any]:
     """Sample after every block's and the head's forward, and when each block's backward
-    starts (the gradient of its output arrives)."""
+    starts (the gradient of its output arrives); ``mark`` samples when called."""
     saved = run.counting(SavedActivations(run.model))
 
     def mark(phase: str) -> None:
@@ -129,7 +129,7 @@ def _probe(run: Sharded, samples: list, step: int) -> tuple[SavedActivations, li
             out.register_hook(lambda g: mark("backward"))
 
     handles = [m.register_forward_hook(after_forward) for m in [*run.blocks, run.net.head]]
-    return saved, handles
+    return saved, handles, mark
 
 
 def ledger_run(stages: tuple[str, ...], cfg: ModelConfig, batch: int, *, steps: int = 3,
@@ -145,10 +145,12 @@ def ledger_run(stages: tuple[str, ...], cfg: ModelConfig, batch: int, *, steps: 
         samples: list = []
         for step in range(steps):
             x, y = local_batch(batch, cfg, step, seed=seed, device=this_device())
-            saved, handles = _probe(run, samples, step)
+            saved, handles, mark = _probe(run, samples, step)
             with CommLog() as log:
                 with saved:
-                    loss_fn(run.model(x), y).backward()
+                    loss = loss_fn(run.model(x), y)
+                    mark("loss")  # the loss keeps its log-softmax: forward's last bytes
+                    loss.backward()
                 run.step()
             for h in handles:
                 h.remove()
