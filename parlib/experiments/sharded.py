@@ -169,10 +169,15 @@ def peak(samples: list, step: int | None = None) -> tuple[int, dict[str, int]]:
 
 
 def predicted_ledger(stage: str, cfg: ModelConfig, rows: int, world_size: int) -> dict[str, float]:
-    """What one rank holds at the end of forward (the peak), by kind, from the cost layer:
-    model states by ZeRO stage (sharded kinds on the padded counts each strategy cuts),
-    one fp32 shard copy for ZeRO-1/2's inner optimizer, the root unit gathered under ZeRO-3,
-    and the activations of ``rows`` rows."""
+    """What one rank holds at its peak, by kind, from the cost layer: model states by ZeRO
+    stage (sharded kinds on the padded counts each strategy cuts), one fp32 shard copy for
+    ZeRO-1/2's inner optimizer, and the activations of ``rows`` rows. DP to ZeRO-2 peak when
+    the loss is computed (every activation saved); ZeRO-3 when the last block's forward ends,
+    with that block's and the root's weights gathered (the head has saved nothing yet)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if rows < 1 or world_size < 1:
+        raise ValueError(f"rows and world_size must be >= 1, got {rows!r}, {world_size!r}")
     z = STAGES.index(stage)
     net = build_model(cfg)
     n = world_size
