@@ -160,8 +160,7 @@ class GatherUnit(torch.autograd.Function):
 
 
 def norms_and_biases(name: str, param: nn.Parameter) -> bool:
-    """``replicate=`` rule: keep the 1-D parameters (norm weights, biases) whole: small, and
-    one message each would cost more latency than their bytes are worth."""
+    """``replicate=`` rule: keep the 1-D parameters (norm weights, biases) whole (small)."""
     return param.ndim == 1
 
 
@@ -330,12 +329,11 @@ class FSDP(nn.Module):
                 if s.grad is None:
                     s.grad = torch.zeros_like(s)
         if self.replicated:  # every rank sends every one (zeros where it had no gradient)
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-                     for p in self.replicated]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in self.replicated])
             dist.all_reduce(flat, group=self.group)
-            for p, g in zip(self.replicated, flat.div_(self.world_size).split(
-                    [p.numel() for p in self.replicated])):
+            pieces = flat.div_(self.world_size).split([p.numel() for p in self.replicated])
+            for p, g in zip(self.replicated, pieces):
                 p.grad = g.view_as(p)
 
     sync = finish_gradient_synchronization
@@ -351,7 +349,6 @@ class FSDP(nn.Module):
                 full[f"{prefix}.{name}" if prefix else name] = t.clone()
         frozen = dict(self.module.named_parameters())
         return {n: full[n] if n in full else frozen[n].detach().clone() for n in self.full_names}
-
 
 
 __all__ = ["COMPUTE_DTYPES", "FSDP", "GatherUnit", "Unit", "norms_and_biases"]
