@@ -70,15 +70,16 @@ def test_the_probe_sees_gathered_weights_only_under_zero3(runs):
         assert (most > 0) == (stage == "ZeRO-3")
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "attention", "full"])
 def test_activation_formula_matches_autograd_on_one_device(recompute):
     from torch.utils.checkpoint import checkpoint
 
     model = build_model(CFG)
-    if recompute == "full":
-        for block in model.blocks:
-            block.forward = (lambda f: lambda h: checkpoint(f, h, use_reentrant=False))(
-                block.forward)
+    for block in model.blocks:
+        part = {"full": block, "attention": block.attn}.get(recompute)
+        if part is not None:
+            part.forward = (lambda f: lambda h: checkpoint(f, h, use_reentrant=False))(
+                part.forward)
     x, y = make_batch(8, CFG, 0)
     with SavedActivations(model) as saved:
         loss_fn(model(x), y).backward()
