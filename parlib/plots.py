@@ -268,3 +268,67 @@ def draw_memory_vs_length(measured: dict[int, dict[int, float]],
 
 __all__ = ["AXIS_STYLE", "COLORS", "WHO_PAYS", "draw_causal_imbalance", "draw_collective",
            "draw_memory_vs_length", "draw_timeline", "run_label"]
+
+
+# The sharded-data-parallel chapter: memory over a training step, by kind ------------------
+
+MEMORY_COLORS: dict[str, str] = {
+    "params": "#4C72B0", "gathered": "#8DA0CB", "grads": "#DD8452", "optimizer": "#55A868",
+    "shard copy": "#A6D854", "activations": "#C44E52", "buffers": "#937860",
+}
+
+
+def draw_memory_over_time(samples_by_stage: dict[str, Sequence[Sequence[Any]]],
+                          predicted_peak: dict[str, float] | None = None, *,
+                          title: str | None = None, caption: str | None = None) -> Any:
+    """One column per strategy, one row per rank: the bytes each rank holds at every sample
+    ``(step, phase, {kind: bytes})`` as stacked areas by kind, MiB on the y axis, the same
+    scale everywhere; ``predicted_peak`` (by strategy) as a dashed line. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    stages = list(samples_by_stage)
+    ranks = len(next(iter(samples_by_stage.values())))
+    fig, axes = plt.subplots(ranks, len(stages), figsize=(2.6 * len(stages), 1.9 * ranks + 0.9),
+                             sharey=True, squeeze=False)
+    top = max(sum(s[2].values()) for per_rank in samples_by_stage.values()
+              for samples in per_rank for s in samples) / 2**20
+    kinds = list(MEMORY_COLORS)
+    for col, stage in enumerate(stages):
+        for rank, samples in enumerate(samples_by_stage[stage]):
+            ax = axes[rank][col]
+            xs = list(range(len(samples)))
+            ax.stackplot(xs, [[s[2].get(k, 0) / 2**20 for s in samples] for k in kinds],
+                         colors=[MEMORY_COLORS[k] for k in kinds], linewidth=0)
+            for i in range(1, len(samples)):  # a thin line where a new step begins
+                if samples[i][0] != samples[i - 1][0]:
+                    ax.axvline(i - 0.5, color="#999999", lw=0.6)
+            if predicted_peak is not None:
+                ax.axhline(predicted_peak[stage] / 2**20, color=COLORS["theory"], ls="--", lw=1)
+            ax.set_ylim(0, top * 1.1)
+            ax.set_xticks([])
+            if rank == 0:
+                ax.set_title(stage, fontsize=10)
+            if col == 0:
+                ax.set_ylabel(f"rank {rank}\nMiB")
+            if rank == ranks - 1:
+                ax.set_xlabel("samples: steps (grey lines),\nforward then backward", fontsize=8)
+            for side in ("top", "right"):
+                ax.spines[side].set_visible(False)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=MEMORY_COLORS[k], label=k) for k in kinds]
+    if predicted_peak is not None:
+        handles.append(plt.Line2D([], [], color=COLORS["theory"], ls="--",
+                                  label="predicted peak"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8,
+               frameon=False)
+    full = title or ""
+    if caption:
+        full = f"{full}\n{caption}" if full else caption
+    if full:
+        fig.suptitle(full, fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig
+
+
+__all__ += ["MEMORY_COLORS", "draw_memory_over_time"]

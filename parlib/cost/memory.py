@@ -109,5 +109,32 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
     return seq_len * micro_batch * vocab_size * (dtype_bytes + 4) / t
 
 
+def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads: int,
+                           n_layers: int, vocab_size: int, *, recompute: str = "none",
+                           dtype_bytes: int = 4) -> float:
+    """Activation bytes a whole GPT (no dropout, attention that keeps no s x s scores, as
+    ``scaled_dot_product_attention`` on the CPU) keeps for backward on one rank: ``n_layers``
+    x :func:`activation_bytes_per_layer` (its "selective" count unless ``recompute`` is
+    "full": each layer's input only, or "attention": attention alone recomputed from its
+    input, so Q, K, V and the attention output are not kept), the final norm's input and
+    output (2 x s x b x h),
+    and the logits the loss keeps: 16-bit logits also keep the fp32 copy of
+    :func:`logits_bytes`; fp32 logits are that copy. The norms' statistics (two values per
+    row and position) are not counted: they are the gap a measurement shows."""
+    modes = (*RECOMPUTE_MODES, "attention")
+    if recompute not in modes:
+        raise ValueError(f"recompute must be one of {modes}, got {recompute!r}")
+    layer = activation_bytes_per_layer(seq_len, micro_batch, d_model, n_heads,
+                                       recompute="full" if recompute == "full" else "selective",
+                                       dtype_bytes=dtype_bytes, dropout=False)
+    if recompute == "attention":  # Q, K, V and the attention output: 4 x s x b x h
+        layer -= 4 * seq_len * micro_batch * d_model * dtype_bytes
+    logits = (logits_bytes(seq_len, micro_batch, vocab_size, dtype_bytes=dtype_bytes)
+              if dtype_bytes < 4 else seq_len * micro_batch * vocab_size * dtype_bytes)
+    final_norm = 2 * seq_len * micro_batch * d_model * dtype_bytes
+    return n_layers * layer + final_norm + logits
+
+
 __all__ = ["RECOMPUTE_MODES", "activation_bytes_per_layer", "adam_bytes_per_param", "logits_bytes",
+           "model_activation_bytes",
            "model_state_bytes", "model_state_bytes_by_kind", "model_state_bytes_per_param"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -158,6 +159,11 @@ class GatherUnit(torch.autograd.Function):
         return (None, *ctx.unit.reduce_scatter_grads(grads))
 
 
+def norms_and_biases(name: str, param: nn.Parameter) -> bool:
+    """``replicate=`` rule: keep the 1-D parameters (norm weights, biases) whole (small)."""
+    return param.ndim == 1
+
+
 def _default_units(module: nn.Module) -> list[str]:
     return [f"{name}.{i}" for name, child in module.named_modules()
             if isinstance(child, nn.ModuleList) for i in range(len(child))]
@@ -169,11 +175,17 @@ class FSDP(nn.Module):
     every ``nn.ModuleList``, the blocks); the rest is the root unit. ``compute_dtype``:
     ``torch.bfloat16`` or ``torch.float16`` for mixed precision (weights cast before the
     all-gather; shards, optimizer state and shard gradients stay fp32). Frozen parameters
-    and buffers stay whole on every rank (cast to the compute dtype for the forward)."""
+    and buffers stay whole on every rank (cast to the compute dtype for the forward).
+    ``replicate``: trainable parameters not worth sharding, kept whole on every rank (fp32,
+    cast for the forward) and their gradients averaged by one all-reduce in
+    :meth:`finish_gradient_synchronization`: :func:`norms_and_biases`, any
+    ``(name, param) -> bool``, or a collection of names."""
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  units: list[str] | None = None, prefetch: bool = False,
-                 recompute: bool = False, group: Any = None, broadcast_from: int = 0) -> None:
+                 recompute: bool = False, group: Any = None, broadcast_from: int = 0,
+                 replicate: Callable[[str, nn.Parameter], bool] | Collection[str] | None = None
+                 ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
@@ -210,7 +222,13 @@ class FSDP(nn.Module):
         self.module = module
         self.gathered_now = self.gathered_peak = 0  # bytes of full weights alive, by the unit
         self.units: list[Unit] = []
-        trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        keep = (replicate if callable(replicate) or replicate is None
+                else lambda name, _p, names=set(replicate): name in names)
+        self.replicated = [p for n, p in module.named_parameters()
+                           if p.requires_grad and keep is not None and keep(n, p)]
+        self._whole = {id(p) for p in self.replicated}
+        trainable = [(n, p) for n, p in module.named_parameters()
+                     if p.requires_grad and id(p) not in self._whole]
         for uname in ["", *unit_names]:
             sub = module.get_submodule(uname) if uname else module
             prefix = f"{uname}." if uname else ""
@@ -244,9 +262,10 @@ class FSDP(nn.Module):
             self.prefetch_after(unit)
         tensors = dict(zip(unit.names, fulls))
         for name, t in [*unit.module.named_parameters(), *unit.module.named_buffers()]:
-            trainable = isinstance(t, nn.Parameter) and t.requires_grad  # shards: never cast
-            if not trainable and t.is_floating_point() and t.dtype != self.dtype:
-                tensors.setdefault(name, t.to(self.dtype))  # frozen weights and buffers
+            shard = isinstance(t, nn.Parameter) and t.requires_grad and id(t) not in self._whole
+            # shards are never cast (they are gathered in the compute dtype instead)
+            if not shard and t.is_floating_point() and t.dtype != self.dtype:
+                tensors.setdefault(name, t.to(self.dtype))  # frozen, replicated, buffers
         keys = [s.untyped_storage().data_ptr() for s in fulls]
         self._ptrs.update({k: (unit, i) for i, k in enumerate(keys)})
         unit.computing = True
@@ -299,7 +318,8 @@ class FSDP(nn.Module):
     # after backward -------------------------------------------------------------------
     def finish_gradient_synchronization(self) -> None:
         """After backward, before ``optimizer.step()``: the reduce-scatters already ran in
-        backward; every trainable shard gets a gradient (zeros if it had none)."""
+        backward; every trainable shard gets a gradient (zeros if it had none), and the
+        replicated parameters' gradients are averaged over the ranks (one all-reduce)."""
         for unit in self.units:
             unit.regathered = None
             if unit.pending is not None:  # a prefetch nobody used: its weights are stale now
@@ -308,6 +328,13 @@ class FSDP(nn.Module):
             for s in unit.shards:
                 if s.grad is None:
                     s.grad = torch.zeros_like(s)
+        if self.replicated:  # every rank sends every one (zeros where it had no gradient)
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in self.replicated])
+            dist.all_reduce(flat, group=self.group)
+            pieces = flat.div_(self.world_size).split([p.numel() for p in self.replicated])
+            for p, g in zip(self.replicated, pieces):
+                p.grad = g.view_as(p)
 
     sync = finish_gradient_synchronization
 
@@ -324,5 +351,4 @@ class FSDP(nn.Module):
         return {n: full[n] if n in full else frozen[n].detach().clone() for n in self.full_names}
 
 
-
-__all__ = ["COMPUTE_DTYPES", "FSDP", "GatherUnit", "Unit"]
+__all__ = ["COMPUTE_DTYPES", "FSDP", "GatherUnit", "Unit", "norms_and_biases"]

@@ -114,8 +114,13 @@ class Zero2:
         self._done = [False] * len(self.shards)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """``set_to_none=False`` keeps the shard gradients' memory (zeroed), as torch's
+        optimizers do; the full gradients are freed either way (they live only in backward)."""
         for shard in self.shards:
-            shard.tensor.grad = None
+            if set_to_none or shard.tensor.grad is None:
+                shard.tensor.grad = None
+            else:
+                shard.tensor.grad.zero_()
             for p in shard.params:
                 p.grad = None
         self._ready = [0] * len(self.shards)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import parlib
 from parlib import verify
 from parlib.strategies.data import shard_rows
-from parlib.strategies.fsdp import FSDP
+from parlib.strategies.fsdp import FSDP, norms_and_biases
 from tests.helpers.toy_model import RANK0_SEED, K, N, global_batch, seeded_toy
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -29,6 +29,9 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 # their halves of the gradient in that dtype where one device rounds the whole-batch sum once
 LOW_PRECISION_TOL = {"bf16": (2e-2, 2e-3), "fp16": (5e-3, 5e-4)}  # (rtol, atol) on weights
 CASES = [(opt, dt) for opt in ("sgd", "adamw") for dt in DTYPES]
+# norm weights and biases kept whole (replicate=norms_and_biases): here the linears' biases,
+# one of them (extra.bias) without a gradient on rank 1
+REPLICATED_CASES = [("sgd", "fp32"), ("adamw", "fp32"), ("adamw", "bf16")]
 
 
 def make_optimizer(named: list[tuple[str, torch.Tensor]], kind: str) -> torch.optim.Optimizer:
@@ -62,13 +65,14 @@ def reference(kind: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(kind: str, dtype_name: str) -> dict:
+def _train(kind: str, dtype_name: str, replicate: bool = False) -> dict:
     rank = torch.distributed.get_rank()
     model = seeded_toy(RANK0_SEED + rank)  # every rank different before wrapping
     frozen = seeded_toy(RANK0_SEED).frozen.weight.detach().clone()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fsdp = FSDP(model, compute_dtype=DTYPES[dtype_name])
+        fsdp = FSDP(model, compute_dtype=DTYPES[dtype_name],
+                    replicate=norms_and_biases if replicate else None)
         res: dict = {"initial": fsdp.gather_full_params()}
         opt = make_optimizer(list(fsdp.module.named_parameters()), kind)
         for step in range(K):
@@ -79,6 +83,7 @@ def _train(kind: str, dtype_name: str) -> dict:
             fsdp.finish_gradient_synchronization()
             res["grads"] = {n: (tuple(p.grad.shape), p.grad.dtype, tuple(p.shape))
                             for n, p in fsdp.module.named_parameters() if p.requires_grad}
+            res["replicated grads"] = [p.grad.clone() for p in fsdp.replicated]
             opt.step()
             opt.zero_grad()
         res["final"] = fsdp.gather_full_params()
@@ -91,6 +96,7 @@ def _train(kind: str, dtype_name: str) -> dict:
 
 def _all_cases() -> dict:
     out = {case: _train(*case) for case in CASES}
+    out.update({(*case, "replicated"): _train(*case, replicate=True) for case in REPLICATED_CASES})
     for bad, args in {"dtype": (seeded_toy(0), torch.int8),
                       "meta": (seeded_toy(0).to("meta"),),
                       "fp64": (seeded_toy(0).double(),)}.items():
@@ -167,3 +173,29 @@ def test_bad_input_is_named(results):
 def test_needs_a_process_group():
     with pytest.raises(RuntimeError, match="process group"):
         FSDP(seeded_toy(0))
+
+
+@pytest.mark.parametrize("kind,dtype", REPLICATED_CASES)
+def test_replicated_parameters_stay_whole_with_averaged_gradients(results, kind, dtype):
+    """Biases kept whole on every rank: same gradients on both ranks (averaged, rank 1's
+    missing one counted as zeros), full shapes, the run still equal to one device."""
+    want = reference(kind, DTYPES[dtype])
+    full = dict(seeded_toy(0).named_parameters())
+    rs = [res[(kind, dtype, "replicated")] for res in results]
+    for r in rs:
+        assert r["warnings"] == []
+        for name, (grad_shape, grad_dtype, shape) in r["grads"].items():
+            whole = name.endswith("bias")
+            assert grad_dtype == torch.float32 and grad_shape == shape
+            assert shape == (tuple(full[name].shape) if whole
+                             else (-(-full[name].numel() // N),)), name
+        if dtype == "fp32":
+            cmp = verify.compare(r["final"], want)
+            assert cmp, f"{kind}: {cmp}"
+        else:
+            rtol, atol = LOW_PRECISION_TOL[dtype]
+            assert all(torch.allclose(r["final"][n], w, rtol=rtol, atol=atol)
+                       for n, w in want.items())
+    assert len(rs[0]["replicated grads"]) == 2  # hidden.bias, extra.bias
+    for a, b in zip(rs[0]["replicated grads"], rs[1]["replicated grads"]):
+        assert torch.equal(a, b)
