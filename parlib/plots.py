@@ -324,7 +324,8 @@ def draw_expert_imbalance(runs: dict[str, Sequence[dict[str, float]]], caption: 
     ax.set_xlabel("ms (dispatch, experts, combine of one MoE layer)")
     ax.legend(handles=[Patch(color=COLORS["forward"], label="experts (emulated)"),
                        Patch(color=COLORS["idle"], label="all-to-all and waiting")],
-              loc="lower right", fontsize=8, frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8,
+              frameon=False)
     _tidy(ax, caption)
     return ax
 

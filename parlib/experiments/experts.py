@@ -170,7 +170,7 @@ def train_expert_parallel(cfg: ModelConfig, ep: int, *, steps: int = 3, batch: i
 
 def dense_moe_output(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """Every expert on every token (T, h), weighted by a (T, E) gate: the router's weight
-    where a kept choice picked that expert, 0 elsewhere. E times the compute of the MoE
+    where a kept choice picked that expert, 0 elsewhere. E/k times the compute of the MoE
     layer, no gathering or scattering of tokens: the reference it must equal."""
     r = route(x, moe.router, moe.top_k, moe.capacity_factor)
     gate = torch.zeros_like(r.probs).scatter_add(1, r.experts, r.weights * r.keep)
