@@ -11,6 +11,8 @@ prints, checks and plots, and two single-device ones.
   is bigger than ep), for :func:`parlib.verify.reference_run` to compare against.
 - :func:`dense_moe_output`: every expert on every token, weighted by the router's gate
   (the single-device computation torch 2.13 has no MoE layer for).
+- :func:`grouped_moe_output`: the experts as PyTorch's grouped matmul
+  (``torch.nn.functional.grouped_mm``), the kernel MoE layers are built on.
 - :func:`router_balance`: the tiny MoE model trained on one device with and without the
   load-balancing loss, the imbalance of its routing at every step.
 """
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from parlib.cost.experts import load_imbalance
 from parlib.measure import CommLog
@@ -177,6 +180,23 @@ def dense_moe_output(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return sum(gate[:, e:e + 1] * expert(x) for e, expert in enumerate(moe.experts))
 
 
+def grouped_moe_output(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE layer with its experts as two calls of PyTorch's grouped matmul
+    (``torch.nn.functional.grouped_mm``): the kept choices sorted by expert, each group of
+    rows times its own expert's matrix (groups ending at ``offs``), the biases added per
+    row, then combined in token order times the router weight."""
+    r = route(x, moe.router, moe.top_k, moe.capacity_factor)
+    plan = dispatch_plan(r, len(moe.experts), 1)
+    offs = plan["per_expert"].cumsum(0).to(torch.int32)
+    up = torch.stack([e.up.weight for e in moe.experts]).transpose(1, 2)  # (E, h, f)
+    down = torch.stack([e.down.weight for e in moe.experts]).transpose(1, 2)  # (E, f, h)
+    up_bias = torch.stack([e.up.bias for e in moe.experts])[plan["expert"]]
+    down_bias = torch.stack([e.down.bias for e in moe.experts])[plan["expert"]]
+    hidden = F.gelu(F.grouped_mm(x[plan["token"]], up, offs=offs) + up_bias)
+    y = F.grouped_mm(hidden, down, offs=offs) + down_bias
+    return torch.zeros_like(x).index_add(0, plan["token"], y * plan["weight"][:, None])
+
+
 def router_balance(cfg: ModelConfig, *, steps: int = 300, aux_weight: float = 0.0,
                    batch: int = 8, lr: float = 0.1, seed: int = 0) -> dict[str, list[float]]:
     """The tiny MoE model trained on one device, loss + ``aux_weight`` x the load-balancing
@@ -201,5 +221,5 @@ def router_balance(cfg: ModelConfig, *, steps: int = 300, aux_weight: float = 0.
     return seen
 
 
-__all__ = ["dense_moe_output", "emulated_step", "layer_tokens", "layer_traffic",
-           "router_balance", "train_expert_parallel"]
+__all__ = ["dense_moe_output", "emulated_step", "grouped_moe_output", "layer_tokens",
+           "layer_traffic", "router_balance", "train_expert_parallel"]

@@ -107,6 +107,24 @@ def test_dense_reference_equals_the_layer_and_notices_a_dropped_choice(capacity_
         assert not compare([layer(x)], [X.dense_moe_output(uncapped, x)])
 
 
+@pytest.mark.parametrize("tokens", [3, 24])  # 3 tokens: most experts get no rows
+def test_grouped_matmul_experts_equal_the_layer_forward_and_backward(tokens):
+    torch.manual_seed(0)
+    layer = MoE(ModelConfig(d_model=16, n_heads=2, n_experts=E, top_k=K, expert_hidden=32,
+                            capacity_factor=1.0))
+    x = torch.randn(tokens, 16)
+    got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = layer(want_x)
+    want.sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    got = X.grouped_moe_output(layer, got_x)
+    got.sum().backward()
+    assert compare([got, got_x.grad], [want, want_x.grad])
+    assert compare({n: p.grad for n, p in layer.named_parameters()}, want_grads)
+    assert not compare([got], [X.grouped_moe_output(layer, x.flip(0))])
+
+
 def test_the_load_balancing_loss_balances_the_router():
     cfg = ModelConfig(seq_len=8, d_model=16, n_heads=2, n_layers=1, n_experts=E, top_k=K,
                       expert_hidden=24)
