@@ -6,8 +6,7 @@ and the README's table are checked against this list (``tests/test_chapters.py``
 names a chapter by :attr:`Chapter.name` ("the pipeline chapter"), never by its number, so
 that a chapter added later cannot make a sentence point at the wrong one.
 
-A chapter is listed once it exists; the final order keeps 06 (expert parallelism) for the
-chapter still to come.
+A chapter is listed once it exists; every chapter of the final order, 00 to 08, now does.
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ CHAPTERS: tuple[Chapter, ...] = (
             "the pipeline chapter"),
     Chapter("05", "context", "context_parallel", "Context parallelism",
             "the context-parallel chapter"),
+    Chapter("06", "experts", "expert_parallel", "Expert parallelism",
+            "the expert-parallel chapter"),
     Chapter("07", "combining", "combining", "Combining the axes", "the combining chapter"),
     Chapter("08", "choosing", "choosing", "Choosing a layout", "the choosing chapter"),
 )

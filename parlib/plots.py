@@ -332,3 +332,91 @@ def draw_memory_over_time(samples_by_stage: dict[str, Sequence[Sequence[Any]]],
 
 
 __all__ += ["MEMORY_COLORS", "draw_memory_over_time"]
+
+# ---- the expert-parallel chapter: load per expert, busiest rank, balance over training
+
+def _tidy(ax, caption: str) -> None:
+    if caption:
+        ax.set_title(caption, fontsize=10)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def draw_tokens_per_expert(load: Sequence[int], capacities: dict[Any, int] | None = None,
+                           caption: str = "", ax=None):
+    """Choices per expert (bars, ``load[e]``) and each capacity factor's capacity (dashed
+    lines, ``capacities[factor]``): what sticks out above a line is dropped. Returns the
+    axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5.5, 3.0))
+    ax.bar(range(len(load)), load, color=COLORS["forward"])
+    styles = ("--", "-.", ":", (0, (5, 1)))
+    for style, (factor, capacity) in zip(styles, (capacities or {}).items()):
+        ax.axhline(capacity, color=COLORS["theory"], linestyle=style, linewidth=1,
+                   label=f"capacity at factor {factor}: {capacity}")
+    ax.set_xticks(range(len(load)))
+    ax.set_xlabel("expert")
+    ax.set_ylabel("choices routed to it")
+    if capacities:
+        ax.legend(fontsize=8, frameon=False, loc="upper right")
+    _tidy(ax, caption)
+    return ax
+
+
+def draw_expert_imbalance(runs: dict[str, Sequence[dict[str, float]]], caption: str = "",
+                          ax=None):
+    """Per rank, emulated expert compute (busy) and the wait for the combine, one group of
+    bars per case: ``runs[case][rank]`` has ``"busy"`` and ``"total"`` seconds
+    (:func:`parlib.experiments.experts.emulated_step`). Returns the axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 2.4 + 0.3 * sum(len(r) for r in runs.values())))
+    labels, ticks, y = [], [], 0.0
+    for case, ranks in runs.items():
+        for rank, r in enumerate(ranks):
+            ticks.append(y)
+            busy, rest = r["busy"] * 1e3, max(r["total"] - r["busy"], 0.0) * 1e3
+            ax.barh(y, busy, color=COLORS["forward"])
+            ax.barh(y, rest, left=busy, color=COLORS["idle"], edgecolor=COLORS["theory"],
+                    linewidth=0.3)
+            labels.append(f"{case}, rank {rank}")
+            y += 1
+        y += 0.5
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (dispatch, experts, combine of one MoE layer)")
+    ax.legend(handles=[Patch(color=COLORS["forward"], label="experts (emulated)"),
+                       Patch(color=COLORS["idle"], label="all-to-all and waiting")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8,
+              frameon=False)
+    _tidy(ax, caption)
+    return ax
+
+
+def draw_balance_over_steps(curves: dict[str, Sequence[float]], window: int = 20,
+                            caption: str = "", ax=None):
+    """The busiest expert's choices over the mean at every training step, one line per
+    run (``curves[label]``), and its running mean over ``window`` steps. Returns the
+    axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(5.5, 3.0))
+    for label, values in curves.items():
+        line, = ax.plot(values, alpha=0.25, linewidth=0.8)
+        spans = [values[max(0, i - window + 1):i + 1] for i in range(len(values))]
+        smooth = [sum(span) / len(span) for span in spans]
+        ax.plot(smooth, color=line.get_color(), label=f"{label} (mean of {window} steps)")
+    ax.axhline(1.0, color=COLORS["theory"], linestyle="--", linewidth=1, label="balanced")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("busiest expert / mean")
+    ax.legend(fontsize=8, frameon=False)
+    _tidy(ax, caption)
+    return ax
+
+
+__all__ += ["draw_balance_over_steps", "draw_expert_imbalance", "draw_tokens_per_expert"]
