@@ -39,6 +39,8 @@ CHAPTERS: tuple[Chapter, ...] = (
             "the pipeline chapter"),
     Chapter("05", "context", "context_parallel", "Context parallelism",
             "the context-parallel chapter"),
+    Chapter("06", "experts", "expert_parallel", "Expert parallelism",
+            "the expert-parallel chapter"),
     Chapter("07", "combining", "combining", "Combining the axes", "the combining chapter"),
     Chapter("08", "choosing", "choosing", "Choosing a layout", "the choosing chapter"),
 )
