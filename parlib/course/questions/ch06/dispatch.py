@@ -256,9 +256,9 @@ class DispatchExercise(Implementation):
     through ``diagnoses`` (first match wins)."""
 
     def __init__(self, id: str, *, diagnoses: Sequence[Diagnosis], solution: str,
-                 explanation: str, prompt: str) -> None:
+                 explanation: str, prompt: str, after: str = "") -> None:
         super().__init__(id, self._run, prompt=prompt, timeout=30.0,
-                         working=working_text(explanation, solution))
+                         working=working_text(explanation, solution, after))
         self.diagnoses, self.solution = tuple(diagnoses), solution
 
     def diagnosis_names(self) -> list[str]:
@@ -312,6 +312,14 @@ QUESTION = register(DispatchExercise(
         i again. Each row is scaled by its router weight and added to its token
         (index_add: a token with two kept choices gets both). A token whose choices were
         all dropped gets 0, and the residual passes it through.
+    """,
+    after="""
+        On ranks, exchange is two dist.all_to_all_single calls around the local experts
+        (split sizes per_rank out, the same exchange reversed back), after a small
+        all-to-all of per_expert so every rank knows how many rows it will receive:
+        parlib.strategies.experts.ExpertParallelMoE. Each kept choice's h-vector goes out
+        and comes back, and backward sends the gradients the same two ways:
+        parlib.cost's ep_all_to_all_bytes_per_layer.
     """,
 ))
 
