@@ -1,0 +1,186 @@
+"""Questions of the expert-parallel chapter: each grader accepts the worked answer and rejects
+each wrong answer (the worked answer's code with one change) with the diagnosis that names its
+mistake; together the wrong answers reach every diagnosis."""
+
+from __future__ import annotations
+
+import pytest
+
+from parlib.cost.experts import ep_all_to_all_bytes_per_layer, moe_params_per_rank, tokens_dropped
+from parlib.course.check import check
+from parlib.course.questions.ch06 import DISPATCH_SOLUTION
+from parlib.course.questions.ch06.dispatch import CASES, _case
+from parlib.course.registry import questions
+from tests.helpers.learner_code import learner
+
+pytestmark = pytest.mark.usefixtures("clean_checks")
+
+
+def _mutant(source: str, old: str, new: str) -> str:
+    assert source.count(old) == 1, f"the worked answer no longer has {old!r}"
+    return source.replace(old, new)
+
+
+def _dispatch(old: str, new: str) -> str:
+    return _mutant(DISPATCH_SOLUTION, old, new)
+
+
+def test_ch06_questions_registered():
+    ids = set(questions("06"))
+    assert {"06.dispatch", "06.params_per_rank", "06.all_to_all_bytes", "06.tokens_dropped",
+            "06.why_no_tp"} <= ids
+    for q in questions("06").values():
+        assert q.working and q.prompt
+
+
+# --------------------------------------------------------------------------- numbers
+
+PARAMS, BYTES = 939_786_240, 1_879_048_192
+
+
+@pytest.mark.parametrize("qid, right, wrong, hint", [
+    ("06.params_per_rank", PARAMS, 7_516_454_912, "the whole layer"),
+    ("06.params_per_rank", PARAMS, PARAMS / 2, "two matrices"),
+    ("06.params_per_rank", PARAMS, PARAMS / 8, "E/ep experts, not one"),
+    ("06.params_per_rank", PARAMS, PARAMS * 1.5, "not three"),
+    ("06.all_to_all_bytes", BYTES, BYTES / 2, "that is half"),
+    ("06.all_to_all_bytes", BYTES, BYTES / 4, "four per layer"),
+    ("06.all_to_all_bytes", BYTES, BYTES / 8, "once per chosen expert"),
+    ("06.all_to_all_bytes", BYTES, BYTES * 2, "2 bytes"),
+    ("06.all_to_all_bytes", BYTES, BYTES * 63 / 64, "own experts"),
+    ("06.tokens_dropped", 3, 5, "rounded up"),
+    ("06.tokens_dropped", 3, 19, "every token makes k choices"),
+    ("06.tokens_dropped", 3, 9, "capacity factor"),
+    ("06.tokens_dropped", 3, 2, "counts the experts"),
+])
+def test_numeric_answers_and_hints(qid, right, wrong, hint):
+    assert check(qid, right).passed
+    r = check(qid, wrong)
+    assert r.status == "failed" and hint in r.message, r.message
+
+
+@pytest.mark.parametrize("qid", ["06.params_per_rank", "06.all_to_all_bytes",
+                                 "06.tokens_dropped"])
+def test_every_numeric_mistake_gets_its_own_hint(qid):
+    q = questions("06")[qid]
+    assert len(q.mistakes) >= 4
+    for wrong, hint in q.mistakes.items():
+        r = check(qid, wrong)
+        assert r.status == "failed" and hint in r.message, (wrong, r.message)
+
+
+def test_expected_values_are_parlib_cost():
+    assert check("06.params_per_rank", moe_params_per_rank(64, 8, 4096, 14336, False)).passed
+    assert check("06.all_to_all_bytes", ep_all_to_all_bytes_per_layer(4096, 7168, 8, 2)).passed
+    assert check("06.tokens_dropped", tokens_dropped([10, 3, 7, 2, 6, 4, 9, 7], 1.25)).passed
+
+
+def test_tokens_dropped_is_exact():
+    assert check("06.tokens_dropped", 4).status == "failed"
+
+
+def test_why_no_tp():
+    assert check("06.why_no_tp", "b").passed
+    for wrong, hint in (("A", "like any other MLP"), ("C", "what must travel"),
+                        ("D", "every expert lives on some GPU")):
+        r = check("06.why_no_tp", wrong)
+        assert r.status == "failed" and hint in r.message, r.message
+
+
+def test_why_no_tp_right_option_is_not_the_longest():
+    q = questions("06")["06.why_no_tp"]
+    longest = max(len(text) for text in q.options.values())
+    assert len(q.options[q.answer]) < longest
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _token_major_keep(experts, capacity):
+    taken, keep = [0] * 8, []
+    for row in experts.tolist():  # a token's second choice before the next token's first
+        for e in row:
+            keep.append(taken[e] < capacity)
+            taken[e] += 1
+    return keep
+
+
+def test_dispatch_cases_drop_choices_and_tell_the_orders_apart():
+    # the capacity cases must drop choices, and dropping token-major must drop other ones
+    assert [CASES[n][0] for n in CASES] == [2, 4, 2, 4]
+    for name in ("ep2_capacity", "ep4_capacity"):
+        case = _case(name)
+        r = case["routing"]
+        assert not r.keep.all()
+        assert _token_major_keep(r.experts, case["capacity"]) != r.keep.reshape(-1).tolist()
+
+
+CHOICE_MAJOR = ("        for j in range(k):  # choice-major: every first choice before any "
+                "second one\n            for t in range(T):")
+
+# wrong answer -> (its source, words of its hint, the diagnosis it must reach)
+DISPATCH_MUTANTS = {
+    "counts_by_expert": (_dispatch("per_rank = per_expert.view(ep, -1).sum(1)",
+                                   "per_rank = per_expert"), "one count per expert",
+                         "counts_by_expert"),
+    "forgets_router_weight": (_dispatch("back * weights[token, choice][:, None]", "back"),
+                              "without the router's weight", "forgot_router_weight"),
+    "combines_in_sent_order": (_dispatch("    back[order] = returned", "    back = returned"),
+                               "undo that permutation", "wrong_combine_order"),
+    "permutes_again": (_dispatch("    back[order] = returned", "    back = returned[order]"),
+                       "its inverse", "wrong_combine_order"),
+    "drops_token_major": (_dispatch(CHOICE_MAJOR, "        for t in range(T):\n"
+                                                  "            for j in range(k):"),
+                          "choice-major", "wrong_tokens_dropped"),
+    "ignores_capacity": (_dispatch("    if capacity is not None:", "    if False:"),
+                         "you sent every choice", "capacity_ignored"),
+    "counts_every_choice": (_dispatch("torch.bincount(expert, minlength=n_experts)",
+                                      "torch.bincount(experts.reshape(-1), minlength=n_experts)"),
+                            "the kept ones", "counts_not_kept"),
+    "unsorted_rows": (_dispatch("order = torch.argsort(expert, stable=True)",
+                                "order = torch.arange(len(expert))"),
+                      "sort the kept choices by expert", "not_grouped"),
+    "sends_scaled_rows": (_dispatch("exchange(x[token[order]],",
+                                        "exchange(x[token[order]] * 2,"),
+                              "not rows of x", "rows_not_tokens"),
+    "hard_codes_two_ranks": (_dispatch("per_expert.view(ep, -1).sum(1)",
+                                       "per_expert.view(2, -1).sum(1)"),
+                             "ep = 4, E = 8 experts", "count_lengths"),
+    "per_rank_strided": (_dispatch("per_expert.view(ep, -1).sum(1)",
+                                   "per_expert.view(-1, ep).sum(0)"),
+                         "contiguous experts", "rank_counts_disagree"),
+    "per_rank_of_one_rank": (_dispatch("per_expert.view(ep, -1).sum(1)",
+                                       "per_expert.view(ep, -1).sum(1)[:1]"),
+                             "one count per rank", "count_lengths"),
+    "never_exchanges": (_dispatch("returned = exchange(x[token[order]], per_rank, per_expert)",
+                                  "returned = x[token[order]]"), "never called exchange",
+                        "no_exchange"),
+    "exchanges_twice": (_dispatch("    back = torch.empty_like(returned)\n",
+                                  "    exchange(x[token[order]], per_rank, per_expert)\n"
+                                  "    back = torch.empty_like(returned)\n"),
+                        "more than once", "called_exchange_twice"),
+    "returns_counts_too": (_dispatch("    return out.index_add(",
+                                     "    return per_rank, out.index_add("),
+                           "returned a tuple", "not_a_tensor"),
+    "returns_transposed": (_dispatch("[:, None])\n", "[:, None]).T\n"),
+                     "expected (16, 8)", "wrong_shape"),
+}
+
+
+def test_dispatch_accepts_worked_answer():
+    r = check("06.dispatch", learner(DISPATCH_SOLUTION, "expert_parallel_moe"))
+    assert r.passed, r
+
+
+@pytest.mark.parametrize("mutant", sorted(DISPATCH_MUTANTS))
+def test_dispatch_rejects_mutant_with_its_diagnosis(mutant):
+    src, hint, diagnosis = DISPATCH_MUTANTS[mutant]
+    r = check("06.dispatch", learner(src, "expert_parallel_moe"))
+    assert r.status == "failed", r
+    assert hint in r.message, r.message
+    assert r.diagnosis == diagnosis, (r.diagnosis, r.message)
+
+
+def test_every_dispatch_diagnosis_has_a_wrong_answer_that_reaches_it():
+    reached = {diagnosis for _, _, diagnosis in DISPATCH_MUTANTS.values()}
+    assert sorted(reached) == sorted(questions("06")["06.dispatch"].diagnosis_names())
