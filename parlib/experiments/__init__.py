@@ -6,6 +6,8 @@ script; this layer wraps them for the course's measurements, one module per conc
 ``data`` (one setup per gradient-sync kind), ``pipeline`` (hooks that record a timeline
 and pad compute, one rank's experiment), ``torch_pipelining`` (the same stages under
 torch's own schedules), ``simulate`` (ideal schedule timelines), ``combined`` (a 3-D run
-and its comparison with the reference), ``layouts`` (the choosing chapter's layouts) and
-``sharded`` (the ZeRO stages side by side: memory ledger, prefetch timeline, FSDP2).
+and its comparison with the reference), ``layouts`` (the choosing chapter's layouts),
+``sharded`` (the ZeRO stages side by side: memory ledger, prefetch timeline, FSDP2),
+``context`` (attention checks, the causal imbalance, the model with the sequence split) and
+``experts`` (expert-parallel traffic, drops, imbalance and training).
 """
