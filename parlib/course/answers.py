@@ -31,6 +31,7 @@ from typing import Any
 
 _MAX_ITEMS = 64  # list items / tensor values kept (enough for every message the checks give)
 _MAX_STR = 20_000
+_MAX_INT_BITS = 4000 * 3  # under 4300 decimal digits: sys.get_int_max_str_digits()
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
            "uint8", "bool")
 
@@ -122,6 +123,8 @@ def _to_plain(x: Any, depth: int) -> Any:
     if isinstance(x, bool):  # bool cannot be subclassed
         return x is True
     if isinstance(x, int):
+        if int.bit_length(x) > _MAX_INT_BITS:  # json cannot write it (Python's digit limit)
+            return {"__kind__": "object", "type": f"int of {int.bit_length(x)} bits"}
         return int.__int__(x)
     if isinstance(x, float):
         return float.__float__(x)
@@ -366,7 +369,13 @@ class LearnerFunction:
             linecache.cache[filename] = (len(self.code), None, self.code.splitlines(True),
                                          filename)
             namespace: dict[str, Any] = {"__name__": "__main__"}
+            if self.error:
+                raise TypeError(f"the grader could not read your function: {self.error}")
             exec(compile(self.code, filename, "exec"), namespace)  # noqa: S102
+            if not callable(namespace.get(self.__name__)):
+                raise TypeError(f"the grader could not rebuild your function "
+                                f"{self.__name__!r} from its source: define it with def "
+                                f"in a cell")
             self._fn = namespace[self.__name__]
         return self._fn(*args, **kwargs)
 
