@@ -243,3 +243,12 @@ def test_without_sandbox_leftovers_are_killed_and_edits_to_the_course_stop_gradi
     rows = json.loads(out.read_text())["notebooks"]
     assert [r["sandboxed"] for r in rows] == [False, False]
     assert "changed on disk" in rows[1]["error"] and rows[1]["score"] == 0
+
+
+def test_readme_says_what_the_sandbox_protects_against_and_what_counts():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## For instructors", 1)[1].split("\n## ", 1)[0]
+    for phrase in ("bubblewrap", "--no-sandbox", "does not protect", "a student can copy",
+                   "macOS", "docker run", "own chapter", "--question-timeout",
+                   "graded without a sandbox"):
+        assert phrase in section, phrase
