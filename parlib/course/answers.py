@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import decimal
 import fractions
 import importlib
@@ -347,6 +348,30 @@ def _literal(value: Any) -> str | None:
     return text if ok else None
 
 
+class LearnerExited(RuntimeError):
+    """The learner's function tried to end its process (``os._exit``) on a rank."""
+
+
+@contextlib.contextmanager
+def no_process_exit() -> Any:
+    """On a rank, around a learner's function: ``os._exit(n)`` raises
+    :class:`LearnerExited` saying what the code did, instead of ending the rank silently
+    (its peers would then be reported as stuck in a collective)."""
+    import os
+
+    real = os._exit
+
+    def refuse(code: int = 0) -> None:
+        raise LearnerExited(f"your function called os._exit({code!r}): it must return, not "
+                            f"end the rank's process")
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 class LearnerFunction:
     """A learner's function rebuilt from its source bundle on first call (on a rank).
 
@@ -383,5 +408,5 @@ class LearnerFunction:
         return f"<your function {self.__name__}, rebuilt from its source>"
 
 
-__all__ = ["LearnerFunction", "Opaque", "capture_function", "from_plain", "plain_data",
-           "plain_tensor", "to_plain", "type_name"]
+__all__ = ["LearnerExited", "LearnerFunction", "Opaque", "capture_function", "from_plain",
+           "no_process_exit", "plain_data", "plain_tensor", "to_plain", "type_name"]

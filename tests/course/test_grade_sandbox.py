@@ -252,3 +252,25 @@ def test_readme_says_what_the_sandbox_protects_against_and_what_counts():
                    "macOS", "docker run", "own chapter", "--question-timeout",
                    "graded without a sandbox"):
         assert phrase in section, phrase
+
+
+def test_os_exit_in_the_learners_function_is_named_not_blamed_on_collectives(clean_checks):
+    def accumulation_step(model, optimizer, microbatches, loss_fn):
+        import os
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            os._exit(3)
+        for p in model.parameters():
+            dist.all_reduce(p.grad if p.grad is not None else p.detach())
+
+    def mesh_position(rank, d, t, p):
+        import os
+
+        os._exit(0)
+
+    for qid, fn in (("01.grad_accum", accumulation_step), ("07.mesh_position", mesh_position)):
+        r = check(qid, fn, timeout=30)
+        assert not r.passed and "os._exit" in r.message, (qid, r.message)
+        assert "collective" not in r.message.split("os._exit", 1)[0], r.message
