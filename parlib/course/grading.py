@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from parlib.course.check import LOG_ENV, MODE_ENV, recheck
+from parlib.course.ci_logs import chapter_of, read_log
 from parlib.course.registry import questions
 from parlib.course.results import NOT_ATTEMPTED, fmt_points
 from parlib.course.sandbox import (
@@ -57,11 +57,6 @@ NOT_SANDBOXED = ("WARNING: graded WITHOUT a sandbox ({why}): a notebook could re
                  "files of this user while it ran; see the README, 'For instructors'")
 LOG_DELETED = ("the notebook deleted its check log, so none of its answers could be read: "
                "every question scores 0")
-
-
-def chapter_of(path: Path) -> str | None:
-    m = re.match(r"^(\d\d)_", Path(path).name)
-    return m.group(1) if m else None
 
 
 def execute(path: Path, log: Path, timeout: float = 600.0, nb: Any = None) -> str | None:
@@ -110,21 +105,6 @@ def _failing_cell(nb) -> int | None:
             if out.get("output_type") == "error":
                 return i
     return None
-
-
-def read_log(log: Path) -> dict[str, dict[str, Any]]:
-    """Latest line per question id from a check log (unreadable lines are skipped)."""
-    latest: dict[str, dict[str, Any]] = {}
-    if not log.exists():
-        return latest
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except (ValueError, RecursionError):  # not JSON, or an int over Python's digit limit
-            continue
-        if isinstance(row, dict) and "id" in row:
-            latest[str(row["id"])] = row
-    return latest
 
 
 def _row(qid: str, status: str, score: float, max_score: float, message: str) -> dict[str, Any]:
@@ -243,42 +223,6 @@ def format_report(rep: dict[str, Any]) -> str:
     if rep.get("sandboxed") is False:
         lines.append("  graded without a sandbox")
     return "\n".join(lines)
-
-
-def verify_logs(solutions_log: Path, exercises_log: Path, root: Path = Path("."),
-                recheck_answers: bool = False) -> list[str]:
-    """CI's proof that the checks ran: every question declared for a chapter that has a
-    ``solutions/NN_*.ipynb`` reported in both runs, passed in the solutions run and did not
-    pass in the exercises run. With ``recheck_answers`` the logged answers are also judged
-    again here, as ``grade`` does (solutions must pass, exercises must not). Returns the
-    problems found (empty when all is well)."""
-    solved, attempted = read_log(Path(solutions_log)), read_log(Path(exercises_log))
-    problems = []
-    chapters = sorted({chapter_of(p) for p in (root / "solutions").glob("[0-9][0-9]_*.ipynb")})
-    if not chapters:
-        problems.append(f"no solutions notebooks under {root / 'solutions'}")
-    for chapter in chapters:
-        declared = questions(chapter)
-        if not declared:
-            problems.append(f"chapter {chapter} declares no questions")
-        for qid in sorted(declared):
-            if qid not in solved:
-                problems.append(f"{qid}: its check never ran in solutions/")
-            elif solved[qid].get("status") != "passed":
-                problems.append(f"{qid}: {solved[qid].get('status')} in solutions/")
-            if qid not in attempted:
-                problems.append(f"{qid}: its check never ran in exercises/")
-            elif attempted[qid].get("status") == "passed":
-                problems.append(f"{qid}: passed in the untouched exercises/")
-            if not recheck_answers:
-                continue
-            for where, log, want in (("solutions", solved, True), ("exercises", attempted,
-                                                                    False)):
-                if qid in log and "answer" in log[qid]:
-                    r = recheck(declared[qid], log[qid]["answer"])
-                    if r.passed != want:
-                        problems.append(f"{qid}: re-checked from the {where}/ log: {r!r}")
-    return problems
 
 
 def _write_json(path: Path, reports: list[dict[str, Any]], complete: bool) -> None:
@@ -402,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             print("usage: python -m parlib.course.grading --verify-logs SOLUTIONS_LOG "
                   "EXERCISES_LOG [--recheck]", file=sys.stderr)
             return 2
+        from parlib.course.ci_logs import verify_logs
+
         problems = verify_logs(Path(argv[1]), Path(argv[2]), recheck_answers=again)
         for problem in problems:
             print(f"FAIL {problem}")
