@@ -1,20 +1,25 @@
 """``python -m parlib grade NB [NB ...] [--json FILE]``: run notebooks headless and score them.
 
-Each notebook is graded in its own grader process (``--one``), so a notebook that kills
-or wedges that process costs only its own row. There it runs top to bottom in a fresh
-kernel (the current environment's ``python3`` kernel, working directory = the notebook's
-folder) with ``PARLIB_CHECK_LOG`` pointing at a temporary file and ``PARLIB_CHECK_MODE``
-unset. The notebook only *collects* answers: every ``parlib.check`` call appends the
-answer as plain data (a function as its source) to that log. When the kernel has gone,
-the grader process re-checks each answer with its own registry (:func:`recheck`): the
-verdicts and scores the notebook wrote are ignored, and every score is clamped to its
-question's points. The report lists every question the chapter declares (the ``NN`` of
-the notebook's name ``NN_*.ipynb``): a question whose check never ran is "not run".
+Each notebook is graded in its own grader process (``--one``), inside its own bubblewrap
+sandbox where ``bwrap`` works (:mod:`parlib.course.sandbox`; ``--no-sandbox`` opts out, and
+the row and the summary say so), so a notebook that kills or wedges that process costs only
+its own row. There it runs top to bottom in a fresh kernel (the current environment's
+``python3`` kernel) with ``PARLIB_CHECK_LOG`` pointing at a temporary file and
+``PARLIB_CHECK_MODE`` unset. The notebook only *collects* answers: every ``parlib.check``
+call appends the answer as plain data (a function as its source) to that log. When the
+kernel has gone (and, in the sandbox, every process it left), the grader process re-checks
+each answer with its own registry (:func:`recheck`); a function runs only on ranks, child
+processes. The verdicts and scores the notebook wrote are ignored. The report lists every
+question the notebook's chapter declares (the ``NN`` of its name ``NN_*.ipynb``), each
+once, and only those count: a question whose check never ran is "not run", an answer to
+another chapter's question is ignored.
 
 Every notebook becomes a row whatever happens to it (missing, unreadable, stopped with
-an error, timed out, kernel or grader process killed, grading interrupted). ``--json``
-is rewritten (atomically) after each notebook, so a crash loses at most the notebook in
-progress. What this does and does not protect against: README, "For instructors".
+an error, past a time limit, kernel or grader process killed, grading interrupted). The
+limits (per cell, per re-check, per notebook) are kept by the batch grader, outside the
+notebook's processes. ``--json`` is rewritten (atomically) after each notebook, so a crash
+loses at most the notebook in progress. What this does and does not protect against:
+README, "For instructors".
 
 Exit status: 0 when every notebook ran to the end, 1 when one did not (its row says
 why), 2 for a usage error, 130 when interrupted.
@@ -337,7 +342,7 @@ def signal_to_interrupt() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m parlib grade NB [NB ...] [--json FILE] [--timeout S]``."""
+    """``python -m parlib grade NB [NB ...] [--json FILE] [--timeout S] [--no-sandbox]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--verify-logs"]:
         again = "--recheck" in argv

@@ -19,7 +19,7 @@ import nbformat
 import pytest
 
 from parlib.course import grading, sandbox
-from parlib.course.check import answer_payload, check
+from parlib.course.check import answer_payload, check, recheck
 from parlib.course.registry import get_question, questions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,3 +274,17 @@ def test_os_exit_in_the_learners_function_is_named_not_blamed_on_collectives(cle
         r = check(qid, fn, timeout=30)
         assert not r.passed and "os._exit" in r.message, (qid, r.message)
         assert "collective" not in r.message.split("os._exit", 1)[0], r.message
+
+
+def test_every_code_answer_runs_in_a_child_process_never_the_graders(tmp_path):
+    from parlib.course.on_ranks import RankExercise
+
+    code = [q.id for q in questions().values() if q.kind == "function"]
+    assert code and all(isinstance(questions()[qid], RankExercise) for qid in code)
+    marker = tmp_path / "pid"
+    payload = {"__kind__": "function", "name": "mesh_position", "missing": {}, "code":
+               f"def mesh_position(rank, d, t, p):\n"
+               f"    import os\n    open({str(marker)!r}, 'w').write(str(os.getpid()))\n"
+               f"    return {{}}\n"}
+    r = recheck(get_question("07.mesh_position"), payload, timeout=30)
+    assert not r.passed and int(marker.read_text()) != os.getpid()
