@@ -48,6 +48,7 @@ from parlib.course.sandbox import (
     become_subreaper,
     bwrap,
     course_digest,
+    descendants,
     kill_descendants,
     kill_others_in_namespace,
     rows_done,
@@ -272,6 +273,7 @@ def _grade_one(path: Path, limits: Limits, sandbox: bool, digest: str) -> dict[s
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(COURSE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(
                 os.pathsep) if p])}
+        ours = set() if sandbox else descendants()  # the caller's own processes, spared
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         stopped = None
         try:
@@ -283,7 +285,7 @@ def _grade_one(path: Path, limits: Limits, sandbox: bool, digest: str) -> dict[s
             if proc.poll() is None:
                 stop(proc)
             if not sandbox:
-                kill_descendants()  # whatever the notebook left running, detached or not
+                kill_descendants(ours)  # whatever the notebook left running, detached or not
         code = proc.returncode
         if stopped is not None:
             rows = rows_done(progress) + _stopped_rows(path, stopped[1])

@@ -76,12 +76,23 @@ def become_subreaper() -> bool:
         return False
 
 
-def kill_descendants() -> int:
-    """SIGKILL every process under this one (a notebook's leftovers); return how many."""
+def descendants() -> set[int]:
+    """The pids of every process under this one."""
     import psutil
 
     try:
-        procs = psutil.Process().children(recursive=True)
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def kill_descendants(spare: set[int] = frozenset()) -> int:
+    """SIGKILL every process under this one but ``spare`` (those that were there before
+    the notebook started: the caller's own); return how many."""
+    import psutil
+
+    try:
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in spare]
     except psutil.Error:
         return 0
     for p in procs:
@@ -192,5 +203,5 @@ def stop(proc: subprocess.Popen, gently: bool = False) -> None:
 
 
 __all__ = ["SANDBOX_ENV", "Limits", "become_subreaper", "bwrap", "course_digest",
-           "kill_descendants", "kill_others_in_namespace", "lines", "question_limit", "rows_done",
-           "sandboxed", "stop", "watch"]
+           "descendants", "kill_descendants", "kill_others_in_namespace", "lines",
+           "question_limit", "rows_done", "sandboxed", "stop", "watch"]
