@@ -9,7 +9,8 @@ USAGE = """usage: python -m parlib COMMAND [ARGS]
 commands:
   doctor                 what this machine offers and what parlib.launch will do
   build [--check]        write solutions/ and exercises/ from authoring/ (--check: fail on drift)
-  grade NB [NB ...]      run notebooks headless and print each question's score (--json FILE)
+  grade NB [NB ...]      run notebooks headless and print each question's score (--json FILE,
+                         --no-sandbox, --timeout/--question-timeout/--notebook-timeout S)
 """
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import decimal
 import fractions
 import importlib
@@ -31,6 +32,7 @@ from typing import Any
 
 _MAX_ITEMS = 64  # list items / tensor values kept (enough for every message the checks give)
 _MAX_STR = 20_000
+_MAX_INT_BITS = 4000 * 3  # under 4300 decimal digits: sys.get_int_max_str_digits()
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
            "uint8", "bool")
 
@@ -122,6 +124,8 @@ def _to_plain(x: Any, depth: int) -> Any:
     if isinstance(x, bool):  # bool cannot be subclassed
         return x is True
     if isinstance(x, int):
+        if int.bit_length(x) > _MAX_INT_BITS:  # json cannot write it (Python's digit limit)
+            return {"__kind__": "object", "type": f"int of {int.bit_length(x)} bits"}
         return int.__int__(x)
     if isinstance(x, float):
         return float.__float__(x)
@@ -344,6 +348,30 @@ def _literal(value: Any) -> str | None:
     return text if ok else None
 
 
+class LearnerExited(RuntimeError):
+    """The learner's function tried to end its process (``os._exit``) on a rank."""
+
+
+@contextlib.contextmanager
+def no_process_exit() -> Any:
+    """On a rank, around a learner's function: ``os._exit(n)`` raises
+    :class:`LearnerExited` saying what the code did, instead of ending the rank silently
+    (its peers would then be reported as stuck in a collective)."""
+    import os
+
+    real = os._exit
+
+    def refuse(code: int = 0) -> None:
+        raise LearnerExited(f"your function called os._exit({code!r}): it must return, not "
+                            f"end the rank's process")
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 class LearnerFunction:
     """A learner's function rebuilt from its source bundle on first call (on a rank).
 
@@ -366,7 +394,13 @@ class LearnerFunction:
             linecache.cache[filename] = (len(self.code), None, self.code.splitlines(True),
                                          filename)
             namespace: dict[str, Any] = {"__name__": "__main__"}
+            if self.error:
+                raise TypeError(f"the grader could not read your function: {self.error}")
             exec(compile(self.code, filename, "exec"), namespace)  # noqa: S102
+            if not callable(namespace.get(self.__name__)):
+                raise TypeError(f"the grader could not rebuild your function "
+                                f"{self.__name__!r} from its source: define it with def "
+                                f"in a cell")
             self._fn = namespace[self.__name__]
         return self._fn(*args, **kwargs)
 
@@ -374,5 +408,5 @@ class LearnerFunction:
         return f"<your function {self.__name__}, rebuilt from its source>"
 
 
-__all__ = ["LearnerFunction", "Opaque", "capture_function", "from_plain", "plain_data",
-           "plain_tensor", "to_plain", "type_name"]
+__all__ = ["LearnerExited", "LearnerFunction", "Opaque", "capture_function", "from_plain",
+           "no_process_exit", "plain_data", "plain_tensor", "to_plain", "type_name"]

@@ -173,7 +173,7 @@ def _record(result: CheckResult, payload: Any = None) -> None:
             line = json.dumps({**result.to_json(), "answer": payload}, sort_keys=True)
             with open(path, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
-        except OSError as exc:
+        except (OSError, ValueError, TypeError, RecursionError) as exc:  # never raise
             warnings.warn(f"parlib: could not write the check log {path}: {exc}")
 
 

@@ -1,20 +1,25 @@
 """``python -m parlib grade NB [NB ...] [--json FILE]``: run notebooks headless and score them.
 
-Each notebook is graded in its own grader process (``--one``), so a notebook that kills
-or wedges that process costs only its own row. There it runs top to bottom in a fresh
-kernel (the current environment's ``python3`` kernel, working directory = the notebook's
-folder) with ``PARLIB_CHECK_LOG`` pointing at a temporary file and ``PARLIB_CHECK_MODE``
-unset. The notebook only *collects* answers: every ``parlib.check`` call appends the
-answer as plain data (a function as its source) to that log. When the kernel has gone,
-the grader process re-checks each answer with its own registry (:func:`recheck`): the
-verdicts and scores the notebook wrote are ignored, and every score is clamped to its
-question's points. The report lists every question the chapter declares (the ``NN`` of
-the notebook's name ``NN_*.ipynb``): a question whose check never ran is "not run".
+Each notebook is graded in its own grader process (``--one``), inside its own bubblewrap
+sandbox where ``bwrap`` works (:mod:`parlib.course.sandbox`; ``--no-sandbox`` opts out, and
+the row and the summary say so), so a notebook that kills or wedges that process costs only
+its own row. There it runs top to bottom in a fresh kernel (the current environment's
+``python3`` kernel) with ``PARLIB_CHECK_LOG`` pointing at a temporary file and
+``PARLIB_CHECK_MODE`` unset. The notebook only *collects* answers: every ``parlib.check``
+call appends the answer as plain data (a function as its source) to that log. When the
+kernel has gone (and, in the sandbox, every process it left), the grader process re-checks
+each answer with its own registry (:func:`recheck`); a function runs only on ranks, child
+processes. The verdicts and scores the notebook wrote are ignored. The report lists every
+question the notebook's chapter declares (the ``NN`` of its name ``NN_*.ipynb``), each
+once, and only those count: a question whose check never ran is "not run", an answer to
+another chapter's question is ignored.
 
 Every notebook becomes a row whatever happens to it (missing, unreadable, stopped with
-an error, timed out, kernel or grader process killed, grading interrupted). ``--json``
-is rewritten (atomically) after each notebook, so a crash loses at most the notebook in
-progress. What this does and does not protect against: README, "For instructors".
+an error, past a time limit, kernel or grader process killed, grading interrupted). The
+limits (per cell, per re-check, per notebook) are kept by the batch grader, outside the
+notebook's processes. ``--json`` is rewritten (atomically) after each notebook, so a crash
+loses at most the notebook in progress. What this does and does not protect against:
+README, "For instructors".
 
 Exit status: 0 when every notebook ran to the end, 1 when one did not (its row says
 why), 2 for a usage error, 130 when interrupted.
@@ -25,7 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,17 +39,30 @@ from pathlib import Path
 from typing import Any
 
 from parlib.course.check import LOG_ENV, MODE_ENV, recheck
+from parlib.course.ci_logs import chapter_of, read_log
 from parlib.course.registry import questions
 from parlib.course.results import NOT_ATTEMPTED, fmt_points
+from parlib.course.sandbox import (
+    COURSE,
+    Limits,
+    become_subreaper,
+    bwrap,
+    course_digest,
+    descendants,
+    kill_descendants,
+    kill_others_in_namespace,
+    rows_done,
+    sandboxed,
+    stop,
+    watch,
+)
 
 NOT_RUN = "not run"
+SANDBOXED = "each notebook was graded in its own bubblewrap sandbox"
+NOT_SANDBOXED = ("WARNING: graded WITHOUT a sandbox ({why}): a notebook could read or change "
+                 "files of this user while it ran; see the README, 'For instructors'")
 LOG_DELETED = ("the notebook deleted its check log, so none of its answers could be read: "
                "every question scores 0")
-
-
-def chapter_of(path: Path) -> str | None:
-    m = re.match(r"^(\d\d)_", Path(path).name)
-    return m.group(1) if m else None
 
 
 def execute(path: Path, log: Path, timeout: float = 600.0, nb: Any = None) -> str | None:
@@ -95,57 +113,52 @@ def _failing_cell(nb) -> int | None:
     return None
 
 
-def read_log(log: Path) -> dict[str, dict[str, Any]]:
-    """Latest line per question id from a check log (unreadable lines are skipped)."""
-    latest: dict[str, dict[str, Any]] = {}
-    if not log.exists():
-        return latest
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):
-            continue
-        if isinstance(row, dict) and "id" in row:
-            latest[str(row["id"])] = row
-    return latest
-
-
 def _row(qid: str, status: str, score: float, max_score: float, message: str) -> dict[str, Any]:
     return {"id": qid, "status": status, "score": score, "max_score": max_score,
             "message": message}
 
 
 def recheck_log(log: Path, chapter: str | None, *, deleted: bool = False,
-                timeout: float | None = None) -> list[dict[str, Any]]:
-    """One row per question: declared by the chapter, or answered in the log and known to
-    the registry. Each answer is judged here by :func:`recheck`; the log's own verdicts
-    are ignored."""
+                timeout: float | None = None, progress: Path | None = None
+                ) -> list[dict[str, Any]]:
+    """One row per question the chapter declares, each once; an answer in the log to
+    another chapter's question is ignored (it counts in that chapter's notebook only). Each
+    answer is judged here by :func:`recheck`; the log's own verdicts are ignored. With
+    ``progress``, a line is appended before and after each re-check, so the batch grader
+    can stop one that runs past its limit and keep the rows already done."""
     declared = questions(chapter) if chapter else {}
-    known = questions()
     answers = {} if deleted else read_log(log)
-    ids = list(declared) + [q for q in answers if q in known and q not in declared]
     rows = []
-    for qid in ids:
-        q = known[qid]
+    for qid, q in declared.items():
         line = answers.get(qid)
         if line is None or "answer" not in line:
             why = LOG_DELETED if deleted else "this check never ran"
             rows.append(_row(qid, NOT_RUN, 0, q.points, why))
-            continue
-        result = recheck(q, line["answer"], timeout=timeout)
-        rows.append(_row(qid, result.status, result.score, q.points, result.message))
+        else:
+            _progress(progress, {"start": qid})
+            result = recheck(q, line["answer"], timeout=timeout)
+            rows.append(_row(qid, result.status, result.score, q.points, result.message))
+        _progress(progress, {"row": rows[-1]})
     return rows
 
 
+def _progress(path: Path | None, item: dict[str, Any]) -> None:
+    if path is not None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(item) + "\n")
+
+
 def report_for(path: Path, rows: list[dict[str, Any]], error: str | None,
-               seconds: float) -> dict[str, Any]:
-    """A notebook's row of the batch; scores are clamped to each question's points."""
-    known = questions()
-    clean = []
+               seconds: float, sandboxed: bool | None = None) -> dict[str, Any]:
+    """A notebook's row of the batch: the questions of its own chapter only, each once (the
+    first row for it), scores clamped to each question's points."""
+    own = questions(chapter_of(path)) if chapter_of(path) else {}
+    clean, seen = [], set()
     for r in rows:
-        q = known.get(str(r.get("id")))
-        if q is None:
+        q = own.get(str(r.get("id")))
+        if q is None or q.id in seen:
             continue
+        seen.add(q.id)
         try:
             score = min(max(float(r.get("score") or 0), 0.0), float(q.points))
         except (TypeError, ValueError):
@@ -157,6 +170,7 @@ def report_for(path: Path, rows: list[dict[str, Any]], error: str | None,
         "chapter": chapter_of(path),
         "error": error,
         "seconds": round(seconds, 1),
+        "sandboxed": sandboxed,
         "questions": clean,
         "score": sum(r["score"] for r in clean),
         "max_score": sum(r["max_score"] for r in clean),
@@ -170,7 +184,7 @@ def _failed_report(path: Path, error: str, seconds: float = 0.0) -> dict[str, An
     return report_for(Path(path), rows, error, seconds)
 
 
-def grade(path: Path, timeout: float = 600.0) -> dict[str, Any]:
+def grade(path: Path, timeout: float = 600.0, progress: Path | None = None) -> dict[str, Any]:
     """Execute one notebook in this process's kernel, then re-check its answers here;
     return its report (a JSON-able dict). Never raises (but KeyboardInterrupt)."""
     import nbformat
@@ -188,10 +202,11 @@ def grade(path: Path, timeout: float = 600.0) -> dict[str, Any]:
         log = Path(tmp) / "checks.jsonl"
         log.touch()
         error = execute(path, log, timeout=timeout, nb=nb)
+        kill_others_in_namespace()  # in the sandbox: the notebook's leftovers, before judging
         deleted = not log.exists()
         if deleted:
             error = f"{error}; {LOG_DELETED}" if error else LOG_DELETED
-        rows = recheck_log(log, chapter_of(path), deleted=deleted)
+        rows = recheck_log(log, chapter_of(path), deleted=deleted, progress=progress)
     return report_for(path, rows, error, time.monotonic() - t0)
 
 
@@ -211,51 +226,26 @@ def format_report(rep: dict[str, Any]) -> str:
     lines.append(f"  {'total':<{w}}  {'':<13}  {total:>7}")
     if rep["error"]:
         lines.append(f"  ERROR: {rep['error']}")
+    if rep.get("sandboxed") is False:
+        lines.append("  graded without a sandbox")
     return "\n".join(lines)
 
 
-def verify_logs(solutions_log: Path, exercises_log: Path, root: Path = Path("."),
-                recheck_answers: bool = False) -> list[str]:
-    """CI's proof that the checks ran: every question declared for a chapter that has a
-    ``solutions/NN_*.ipynb`` reported in both runs, passed in the solutions run and did not
-    pass in the exercises run. With ``recheck_answers`` the logged answers are also judged
-    again here, as ``grade`` does (solutions must pass, exercises must not). Returns the
-    problems found (empty when all is well)."""
-    solved, attempted = read_log(Path(solutions_log)), read_log(Path(exercises_log))
-    problems = []
-    chapters = sorted({chapter_of(p) for p in (root / "solutions").glob("[0-9][0-9]_*.ipynb")})
-    if not chapters:
-        problems.append(f"no solutions notebooks under {root / 'solutions'}")
-    for chapter in chapters:
-        declared = questions(chapter)
-        if not declared:
-            problems.append(f"chapter {chapter} declares no questions")
-        for qid in sorted(declared):
-            if qid not in solved:
-                problems.append(f"{qid}: its check never ran in solutions/")
-            elif solved[qid].get("status") != "passed":
-                problems.append(f"{qid}: {solved[qid].get('status')} in solutions/")
-            if qid not in attempted:
-                problems.append(f"{qid}: its check never ran in exercises/")
-            elif attempted[qid].get("status") == "passed":
-                problems.append(f"{qid}: passed in the untouched exercises/")
-            if not recheck_answers:
-                continue
-            for where, log, want in (("solutions", solved, True), ("exercises", attempted,
-                                                                    False)):
-                if qid in log and "answer" in log[qid]:
-                    r = recheck(declared[qid], log[qid]["answer"])
-                    if r.passed != want:
-                        problems.append(f"{qid}: re-checked from the {where}/ log: {r!r}")
-    return problems
-
-
 def _write_json(path: Path, reports: list[dict[str, Any]], complete: bool) -> None:
-    """Write the batch atomically (a temp file in the same folder, then os.replace)."""
+    """Write the batch atomically (a temp file in the same folder, then os.replace); if the
+    path has become something else (a folder), write next to it and say so."""
+    try:
+        _write_json_at(Path(path), reports, complete)
+    except OSError as exc:
+        other = Path(path).with_name(f"{Path(path).name}.{os.getpid()}.json")
+        print(f"could not write {path} ({exc}): wrote {other} instead", file=sys.stderr)
+        _write_json_at(other, reports, complete)
+
+
+def _write_json_at(path: Path, reports: list[dict[str, Any]], complete: bool) -> None:
     data = {"notebooks": reports, "complete": complete,
             "score": sum(r["score"] for r in reports),
             "max_score": sum(r["max_score"] for r in reports)}
-    path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -266,54 +256,87 @@ def _write_json(path: Path, reports: list[dict[str, Any]], complete: bool) -> No
         raise
 
 
-def _grade_one(path: Path, timeout: float) -> dict[str, Any]:
-    """Grade one notebook in a child grader process; a row whatever happens to it."""
+def _grade_one(path: Path, limits: Limits, sandbox: bool, digest: str) -> dict[str, Any]:
+    """Grade one notebook in a child grader process (in bwrap with ``sandbox``); a row
+    whatever happens to it. The limits are kept here: past one, the child's whole process
+    tree is killed and the rows it finished are kept."""
     t0 = time.monotonic()
     if not Path(path).is_file():  # no process to start for that
         return _failed_report(path, "no such notebook (missing, or deleted before its turn)")
     with tempfile.TemporaryDirectory(prefix="parlib-grade-") as tmp:
-        out = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "parlib.course.grading", "--one", str(path),
-               "--out", str(out), "--timeout", repr(timeout)]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        out, progress = Path(tmp) / "report.json", Path(tmp) / "progress.jsonl"
+        cmd = [sys.executable, "-m", "parlib.course.grading", "--one",
+               str(Path(path).resolve()), "--out", str(out), "--progress", str(progress),
+               "--timeout", repr(limits.cell), "--digest", digest]
+        if sandbox:
+            cmd = sandboxed(cmd, Path(tmp), (Path(path).resolve().parent,))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(COURSE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+                os.pathsep) if p])}
+        ours = set() if sandbox else descendants()  # the caller's own processes, spared
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        stopped = None
         try:
-            code = proc.wait()
+            stopped = watch(proc, progress, limits, t0)
         except BaseException:  # interrupted: stop the child and its kernel, then say so
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, gently=True)
             raise
+        finally:
+            if proc.poll() is None:
+                stop(proc)
+            if not sandbox:
+                kill_descendants(ours)  # whatever the notebook left running, detached or not
+        code = proc.returncode
+        if stopped is not None:
+            rows = rows_done(progress) + _stopped_rows(path, stopped[1])
+            return report_for(Path(path), rows, stopped[0], time.monotonic() - t0, sandbox)
         try:
             rep = json.loads(out.read_text(encoding="utf-8"))
-            return report_for(Path(path), rep["questions"], rep["error"], rep["seconds"])
+            return report_for(Path(path), rep["questions"], rep["error"], rep["seconds"],
+                              sandbox)
         except (OSError, ValueError, KeyError, TypeError):
             how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            return _failed_report(path, f"the grader's process for this notebook died ({how}) "
-                                        f"before it reported: did the notebook kill it?",
-                                  time.monotonic() - t0)
+            rep = _failed_report(path, f"the grader's process for this notebook died ({how}) "
+                                       f"before it reported: did the notebook kill it?",
+                                 time.monotonic() - t0)
+            rep["sandboxed"] = sandbox
+            return rep
+
+
+def _stopped_rows(path: Path, current: str | None) -> list[dict[str, Any]]:
+    chapter = chapter_of(Path(path))
+    rows = []
+    for qid, q in (questions(chapter) if chapter else {}).items():
+        why = ("its re-check ran past the time limit" if qid == current
+               else "not graded: the notebook was stopped at its time limit")
+        rows.append(_row(qid, "timed out" if qid == current else NOT_RUN, 0, q.points, why))
+    return rows
 
 
 def _one(argv: list[str]) -> int:
-    """``--one NB --out FILE --timeout S``: the child that grades a single notebook."""
+    """``--one NB --out FILE``: the child that grades a single notebook."""
     parser = argparse.ArgumentParser(prog="python -m parlib.course.grading --one")
     parser.add_argument("--one", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--progress", default=None)
+    parser.add_argument("--digest", default=None)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
-    questions()  # the registry is loaded before any of the notebook's code runs
-    signal_to_interrupt()
-    rep = grade(Path(args.one), timeout=args.timeout)
+    if args.digest and course_digest() != args.digest:
+        rep = _failed_report(Path(args.one), "the grader's files changed on disk since the "
+                                             "batch started (did a notebook edit them?): "
+                                             "not graded")
+    else:
+        questions()  # the registry is loaded before any of the notebook's code runs
+        signal_to_interrupt()
+        rep = grade(Path(args.one), timeout=args.timeout,
+                    progress=Path(args.progress) if args.progress else None)
     Path(args.out).write_text(json.dumps(rep), encoding="utf-8")
     return 0
 
 
 def signal_to_interrupt() -> None:
     """SIGTERM raises KeyboardInterrupt, so nbclient shuts the kernel down on the way out."""
-    import signal
-
     def handler(signum, frame):  # noqa: ANN001, ARG001
         raise KeyboardInterrupt
 
@@ -321,7 +344,7 @@ def signal_to_interrupt() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m parlib grade NB [NB ...] [--json FILE] [--timeout S]``."""
+    """``python -m parlib grade NB [NB ...] [--json FILE] [--timeout S] [--no-sandbox]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--verify-logs"]:
         again = "--recheck" in argv
@@ -330,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
             print("usage: python -m parlib.course.grading --verify-logs SOLUTIONS_LOG "
                   "EXERCISES_LOG [--recheck]", file=sys.stderr)
             return 2
+        from parlib.course.ci_logs import verify_logs
+
         problems = verify_logs(Path(argv[1]), Path(argv[2]), recheck_answers=again)
         for problem in problems:
             print(f"FAIL {problem}")
@@ -349,8 +374,20 @@ def main(argv: list[str] | None = None) -> int:
                              "each notebook)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="per-cell time limit in seconds (default 600)")
+    parser.add_argument("--notebook-timeout", type=float, default=1800.0,
+                        help="limit for a notebook and all its re-checks (default 1800 s)")
+    parser.add_argument("--question-timeout", type=float, default=None,
+                        help="limit for one re-check (default: 30 s plus twice the "
+                             "question's own launch limit)")
+    parser.add_argument("--no-sandbox", action="store_true",
+                        help="grade without bubblewrap (each row says so)")
     args = parser.parse_args(argv)
     paths = [Path(n) for n in args.notebooks]
+    limits = Limits(args.timeout, args.notebook_timeout, args.question_timeout)
+    sandbox = not args.no_sandbox and bwrap() is not None
+    if not sandbox:
+        become_subreaper()  # a notebook's detached processes still come back to us
+    digest = course_digest()  # the question modules as they were before any notebook ran
     questions()
     reports = [_failed_report(p, "not graded: the grader stopped before this notebook")
                for p in paths]
@@ -363,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     for i, path in enumerate(paths):
         try:
-            reports[i] = _grade_one(path, args.timeout)
+            reports[i] = _grade_one(path, limits, sandbox, digest)
         except KeyboardInterrupt:
             interrupted = True
             reports[i] = _failed_report(path, "grading was interrupted while this notebook ran")
@@ -380,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(reports) > 1:
         print(f"total over {len(reports)} notebooks: "
               f"{fmt_points(total)}/{fmt_points(maximum)}")
+    print(SANDBOXED if sandbox else NOT_SANDBOXED.format(
+        why="--no-sandbox was given" if args.no_sandbox else "bwrap (bubblewrap) is not "
+        "installed or does not work here"), flush=True)
     if interrupted:
         print("grading was interrupted: the notebooks not graded are marked so", file=sys.stderr)
         return 130

@@ -244,7 +244,14 @@ def _eval_expr(node: ast.AST, env: dict[str, float]) -> float:
                               f"{', '.join(sorted(k for k in env if k not in _FUNCS))}")
         return env[node.id]
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        return _BINOPS[type(node.op)](_eval_expr(node.left, env), _eval_expr(node.right, env))
+        left, right = _eval_expr(node.left, env), _eval_expr(node.right, env)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64 and abs(left) > 1:
+            raise CheckFailed("a power in your formula is far too large (exponent over 64): "
+                              "no formula of this course needs one")
+        if isinstance(left, int) and isinstance(right, int) \
+                and max(abs(left), abs(right)).bit_length() > 4096:
+            raise CheckFailed("a number in your formula has over a thousand digits")
+        return _BINOPS[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNOPS:
         return _UNOPS[type(node.op)](_eval_expr(node.operand, env))
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
@@ -335,13 +342,17 @@ class WholeNumbers(Question):
         if is_stub(answer):
             raise NotAttempted
         n = len(self.names)
-        try:
-            values = tuple(int(x) for x in answer)
-        except (TypeError, ValueError):
-            values = ()
-        if len(values) != n:
-            raise CheckFailed(f"give {_COUNT_WORDS.get(n, n)} whole numbers "
-                              f"({', '.join(self.names)}), e.g. {self.example}")
+        form = (f"give a tuple of {_COUNT_WORDS.get(n, n)} whole numbers "
+                f"({', '.join(self.names)}), e.g. {self.example}")
+        if not isinstance(answer, (tuple, list)):
+            raise CheckFailed(f"you gave a {type_name(answer)} {answer!r}: {form}")
+        if len(answer) != n:
+            raise CheckFailed(f"you gave {len(answer)} items: {form}")
+        odd = [x for x in answer if type(x) is not int]
+        if odd:
+            raise CheckFailed(f"{odd[0]!r} is not a whole number (a {type_name(odd[0])}): "
+                              f"{form}")
+        values = tuple(answer)
         if min(values) < self.minimum:
             raise CheckFailed(self.too_small)
         problem = self.problems(*values)

@@ -164,7 +164,7 @@ def test_results_written_as_each_notebook_finishes_and_interrupt(tmp_path, monke
     out = tmp_path / "s.json"
     seen = []
 
-    def fake_grade_one(path, timeout):
+    def fake_grade_one(path, *limits_sandbox_digest):
         if path == paths[1]:  # the first notebook's row is on disk before the second starts
             seen.append(json.loads(out.read_text()))
             raise KeyboardInterrupt

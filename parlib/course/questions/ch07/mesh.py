@@ -67,12 +67,13 @@ _PLACE_KEYS = ("pp", "dp", "tp", "tp_group", "dp_group", "pp_group")
 def _mesh_rank(fn) -> list[dict[str, Any]]:
     """In a child process (one rank), never in the grader: the learner's answer for every
     rank of every layout, as plain data. Stops at the first answer that is not a dict."""
-    from parlib.course.answers import plain_data
+    from parlib.course.answers import no_process_exit, plain_data
 
     out: list[dict[str, Any]] = []
     for d, t, p in _LAYOUTS:
         for rank in range(d * t * p):
-            got = fn(rank, d, t, p)
+            with no_process_exit():
+                got = fn(rank, d, t, p)
             if not isinstance(got, dict):
                 return out + [{"layout": (d, t, p), "rank": rank, "type": type(got).__name__}]
             got = {k: (list(v) if isinstance(v, (list, tuple, range)) else v)
