@@ -21,6 +21,7 @@ from parlib.measure.traffic import axis_traffic as measure_axis_traffic
 from parlib.model import ModelConfig, make_batch, make_optimizer
 from parlib.runtime.policy import device as this_device
 from parlib.strategies.combined import build_3d, train_step_3d
+from parlib.strategies.data import Bucketed
 from parlib.strategies.mesh import Mesh
 from parlib.strategies.pipeline import Stage
 from parlib.strategies.tensor import shard_of, split_dims
@@ -46,7 +47,8 @@ def rank_train_3d(layout: Layout | Mapping[str, int], *, cfg: ModelConfig | None
                   lr: float = 0.1, record: bool = False) -> dict[str, Any]:
     """Run on every rank of ``parlib.launch(..., world_size=layout.world)``: build the mesh
     of ``layout`` (a :class:`~parlib.cost.Layout` or a mapping from axis name to size) and
-    this rank's part, train ``steps`` steps of :func:`train_step_3d` on batches 0..steps-1.
+    this rank's part, train ``steps`` steps of :func:`train_step_3d` on batches 0..steps-1,
+    the gradients pooled over the dp group in buckets (:class:`Bucketed`, after backward).
 
     Returns ``rank``, ``coord`` (index per axis), ``groups`` (global ranks per axis),
     ``losses`` (per step, last stage; None elsewhere), ``grads`` (per step, by full-model
@@ -60,6 +62,10 @@ def rank_train_3d(layout: Layout | Mapping[str, int], *, cfg: ModelConfig | None
     dev = this_device()
     stage = build_3d(mesh, cfg, seed, dev)
     optimizer = make_optimizer(stage.parameters(), "sgd", lr)
+    # The data-parallel chapter's buckets (DDP's sizes: 1 MiB first, then 25 MiB), one
+    # all-reduce each after the stage's last backward. Not overlapped: under 1F1B a
+    # stage's gradients are complete only after its last microbatch's backward.
+    sync = (Bucketed(stage, group=mesh.group("dp")) if mesh.dp > 1 else _nothing)
     out: dict[str, Any] = {"rank": mesh.rank, "device": str(dev), "backend": dist.get_backend(),
                            "coord": {a: mesh.coord(a) for a in mesh.layout},
                            "groups": {a: mesh.ranks(a) for a in mesh.layout},
@@ -74,19 +80,23 @@ def rank_train_3d(layout: Layout | Mapping[str, int], *, cfg: ModelConfig | None
             hooks = MeasuringHooks(stage.rank, rec, memory=tracker)
             with axis_traffic(mesh, rec) as traffic:
                 loss = train_step_3d(stage, mesh, optimizer, tokens.to(dev), targets.to(dev),
-                                     m, hooks=hooks)
+                                     m, hooks=hooks, sync=sync)
             out.update(spans=rec.spans, traffic=traffic, pp_sent=sum(rec.sent.values()),
                        param_bytes=param_bytes(stage.parameters()),
                        peak_saved=tracker.peak)
         else:
             loss = train_step_3d(stage, mesh, optimizer, tokens.to(dev), targets.to(dev), m,
-                                 hooks=MeasuringHooks(stage.rank, rec))
+                                 hooks=MeasuringHooks(stage.rank, rec), sync=sync)
         out["losses"].append(loss)
         out["grads"].append(stage.grads())
     out["params"] = {stage.global_names[n]: prm.detach().cpu().clone()
                      for n, prm in stage.named_parameters()}
     dist.barrier()
     return out
+
+
+def _nothing() -> None:
+    """The gradient sync of a layout with d = 1: nothing to pool."""
 
 
 def stage_split_dims(stage: Stage) -> dict[str, int | None]:

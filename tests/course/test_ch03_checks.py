@@ -30,6 +30,9 @@ def test_ch02_questions_registered():
 
 @pytest.mark.parametrize("qid, right, wrong, hint", [
     ("03.bytes_per_layer", 939_524_096, 469_762_048, "forward only"),
+    # 4 all-reduces x (t-1)/t: the ring factor of one pass is named, not only "forward"
+    ("03.bytes_per_layer", 939_524_096, 4 * 7 / 8 * 4 * 2048 * 8192 * 2,
+     "With the ring factor (t-1)/t you counted only one of the ring's two passes"),
     ("03.bytes_per_layer", 939_524_096, 536_870_912, "2(t-1)/t"),
     ("03.bytes_per_layer", 939_524_096, 2 * 939_524_096, "bf16"),
     ("03.layer_memory", 1.5, 12.0, "whole layer"),
@@ -50,7 +53,8 @@ def test_choices():
     assert check("03.slow_link", "b").passed
     assert "4 times per layer" in check("03.slow_link", "A").message
     assert check("03.t_within_node", "A").passed
-    assert not check("03.t_within_node", "C").passed
+    assert "keeps shrinking" in check("03.t_within_node", "C").message
+    assert "when it is sent" in check("03.t_within_node", "B").message
     assert check("03.mlp_split", "C").passed
     assert "partial sum" in check("03.mlp_split", "B").message
 
@@ -142,11 +146,25 @@ G_MUTANTS.update({
         "does it keep state between calls"),
 })
 
+# An f or g that ignores its group and all-reduces over the whole world passes on the world
+# alone; on 4 ranks in two tensor-parallel groups of 2 it sums across groups (10 where 3
+# and 7 are right), which breaks 3-D training. The sub-group probe names the group.
+F_MUTANTS["group ignored (the default group, in place)"] = (
+    [("            grad = grad.clone()          # each rank holds its slice's share of dL/dx\n",
+      ""),
+     ("            dist.all_reduce(grad, group=ctx.group)\n",
+      "            dist.all_reduce(grad)\n")],
+    "not over its group: rank 0's tensor-parallel group is ranks [0, 1]")
+G_MUTANTS["group ignored (the default group)"] = (
+    [("            dist.all_reduce(out, group=group)\n", "            dist.all_reduce(out)\n")],
+    "not over its group: rank 0's tensor-parallel group is ranks [0, 1]")
+
 # The diagnosis each wrong answer must reach: together they reach every diagnosis.
 F_DIAGNOSES = {
     "all-reduce in forward instead of backward (wrong direction)": "forward_all_reduce",
     "missing gradient all-reduce": "backward_unchanged",
     "gradient averaged (divided by t)": "backward_average",
+    "group ignored (the default group, in place)": "backward_ignores_group",
     "forward averages": "forward_average",
     "no gradient returned": "no_gradient",
     "forward doubles": "wrong_value",
@@ -154,6 +172,7 @@ F_DIAGNOSES = {
     "state kept between calls": "breaks_training",
 }
 G_DIAGNOSES = {
+    "group ignored (the default group)": "forward_ignores_group",
     "forgotten all-reduce": "forward_unchanged",
     "all-reduce in backward too (duplicated gradient)": "backward_all_reduce",
     "partial sums averaged": "forward_average",
@@ -288,6 +307,12 @@ ROW_MUTANTS.update({
         [("    return total + linear.bias ",
           "    y = total + linear.bias\n    return y + 2 * y - (2 * y).detach() ")],
         "gradient of x differs"),
+    # dist.all_reduce straight on autograd's tensor: right numbers only through torch's
+    # deprecated autograd fallback ("may lead to silently incorrect behavior"), and the
+    # learner never wrote g. Rejected, with a hint that names g.
+    "plain dist.all_reduce, no g": (
+        [(SUM, "    dist.all_reduce(partial, group=group)\n    total = partial ")],
+        "Use g, tensor_ops.reduce_from_tensor_parallel_region"),
     "state kept between calls": (
         [("def row_parallel_linear(x, linear, group=None):\n",
           "def row_parallel_linear(x, linear, group=None, _calls=[]):\n" + _STATEFUL)],
@@ -307,22 +332,13 @@ ROW_DIAGNOSES = {
     "detached output": "no_autograd",
     "detached bias": "no_gradient",
     "gradient tripled": "wrong_gradient",
+    "plain dist.all_reduce, no g": "plain_all_reduce",
     "state kept between calls": "breaks_training",
 }
 
 
 def test_row_parallel_reference_passes():
     r = check("03.row_parallel", row())
-    assert r.passed, r
-
-
-def test_row_parallel_plain_dist_all_reduce_passes():
-    # dist.all_reduce in forward is invisible to autograd: its backward is the identity,
-    # which is exactly g's. A learner who writes it this way is right.
-    src = ROW_PARALLEL_SOLUTION.replace(
-        SUM,
-        "    dist.all_reduce(partial, group=group)\n    total = partial ")
-    r = check("03.row_parallel", row(src))
     assert r.passed, r
 
 

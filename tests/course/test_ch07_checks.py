@@ -69,9 +69,13 @@ def test_seed_numbers_and_their_hints():
     assert not check("07.seed_copies", 64).passed
     gib = 16 * 48e9 / 16 / 2**30
     assert check("07.seed_memory", gib).passed
-    for wrong, hint in [(gib * 4, "both t and p"), (gib / 16, "copies"), (48.0, "GB")]:
+    for wrong, hint in [(gib * 4, "both t and p"), (gib / 16, "copies"), (48.0, "GB"),
+                        # 2 bytes per parameter is 8x too low, but not a bits/bytes slip
+                        (gib / 8, "2 bytes per parameter, the fp16 weights only"),
+                        (gib / 4, "4 bytes per parameter")]:
         result = check("07.seed_memory", wrong)
         assert not result.passed and hint in result.message, result.message
+        assert "bits" not in result.message, result.message
 
 
 def test_crosses_nodes():

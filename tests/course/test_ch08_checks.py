@@ -42,6 +42,11 @@ WRONG = [
     ("08.tp_bytes_per_layer", 469_762_048 / 2, "backward 2 more"),
     ("08.tp_bytes_per_layer", 469_762_048 * 2, "bf16"),
     ("08.seed_bubble", 3 / 8, "(p-1)/(m+p-1)"),
+    ("08.seed_bubble", 0.38, "(p-1)/(m+p-1)"),  # 3/8 to two digits: named all the same
+    ("08.seed_bubble", 27, "looks like a percent"),
+    ("08.seed_bubble", 0.3, "at least 2 significant digits"),
+    ("08.seed_bubble", 0.26, "too low"),
+    ("08.bandwidth_bound", "B", "whatever the batch: 27 GB per GPU"),
     ("08.seed_bubble", 3 / 12, "m + p - 1"),
     ("08.microbatch_speedup", 8, "fill and drain"),
     ("08.microbatch_speedup", 4, "limit"),
@@ -69,3 +74,19 @@ def test_common_slips_are_named(qid, answer, words, clean_checks):
 def test_each_question_rejects_at_least_two_slips():
     counts = {qid: sum(1 for q, _a, _w in WRONG if q == qid) for qid in RIGHT}
     assert min(counts.values()) >= 2, counts
+
+
+@pytest.mark.parametrize("answer", [0.27, 0.273, 0.2727, 3 / 11])
+def test_seed_bubble_accepts_the_rounding_its_digits_state(answer, clean_checks):
+    assert check("08.seed_bubble", answer).passed, check("08.seed_bubble", answer).message
+
+
+def test_bandwidth_bound_agrees_with_the_planner():
+    # the exercise's right answer is what the chapter's link sweep picks at 5 GB/s
+    from parlib.cost import Hardware, Link, Model, best_layouts
+    from parlib.cost.hardware import GB
+
+    model = Model(32, 4096, 32, 2048, 51200, name="6.7B")
+    slow = Hardware.dgx_h100(64).with_(inter_node=Link(alpha=10e-6, bandwidth=5 * GB))
+    best = best_layouts(model, slow, global_batch=512, top=1)[0]
+    assert best.layout.pp > 1 and best.layout.tp == 1 and best.layout.dp <= 8, best.name

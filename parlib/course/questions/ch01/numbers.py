@@ -137,7 +137,7 @@ register(
         "B",
         options={
             "A": "It fits: 64 GPUs x 80 GB = 5,120 GB, far more than 320 GB.",
-            "B": "It does not fit: every GPU must hold all 320 GB; more GPUs add copies, not room.",
+            "B": "It does not fit: each GPU must hold all 320 GB.",
             "C": "It fits once the per-GPU batch is cut to one example.",
             "D": "It fits, because the all-reduce averages the memory across the GPUs.",
         },
@@ -170,8 +170,7 @@ register(
         options={
             "A": "It sends fewer bytes than one all-reduce at the end of backward.",
             "B": "It lets each rank skip the all-reduce of gradients that are already small.",
-            "C": "It starts reducing the last layers' gradients while backward is still "
-            "computing the earlier layers, hiding communication behind compute.",
+            "C": "Late layers' gradients are reduced while backward computes earlier ones.",
             "D": "It makes the all-reduce exact, where one big all-reduce rounds.",
         },
         prompt="""

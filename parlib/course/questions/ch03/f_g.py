@@ -57,54 +57,91 @@ def reduce_from_parallel_region(x, group=None):
     return ReduceFromParallelRegion.apply(x, group)
 '''
 
-def _probe_op(fn: Callable) -> dict[str, torch.Tensor]:
+TP_GROUP = 2  # the sub-group probe: 4 ranks as two tensor-parallel groups of 2
+
+
+def _probe_op(fn: Callable, group_size: int | None = None) -> dict[str, Any]:
     """On each rank: the learner's operator on rank + 1 (a non-leaf tensor, as inside a
-    model), and the gradient it passes back for an incoming gradient of 10 x (rank + 1)."""
+    model), and the gradient it passes back for an incoming gradient of 10 x (rank + 1).
+    With ``group_size`` the world is cut into consecutive groups of that size (as the
+    tensor-parallel groups of a 3-D mesh) and the operator gets this rank's group."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group, members = None, list(range(world))
+    if group_size is not None:
+        for start in range(0, world, group_size):  # every rank creates every group
+            ranks = list(range(start, start + group_size))
+            made = dist.new_group(ranks)
+            if rank in ranks:
+                group, members = made, ranks
     x = rank_values((3,), 1.0).requires_grad_()
-    y = fn(x * 1.0, None)
+    y = fn(x * 1.0, group)
     if not isinstance(y, torch.Tensor):
-        return {"error": f"it returned {type(y).__name__}, not a tensor"}
+        return {"error": f"it returned {type(y).__name__}, not a tensor", "group": members}
     if not y.requires_grad:
         return {"error": "its output does not require grad: build it with "
-                         "torch.autograd.Function (forward and backward), call .apply"}
-    out = {"forward": y.detach().clone()}
+                         "torch.autograd.Function (forward and backward), call .apply",
+                "group": members}
+    out = {"forward": y.detach().clone(), "group": members}
     y.backward(rank_values(tuple(y.shape), 10.0))
     out["backward"] = None if x.grad is None else x.grad.detach().clone()
     return out
 
 
+def _sum(ranks: list[int]) -> float:
+    """The sum of rank + 1 over ``ranks``: what an all-reduce of the probe's values gives."""
+    return float(sum(r + 1 for r in ranks))
+
+
+def _ignores_group(which: str) -> Callable[[Case], str]:
+    def hint(c: Case) -> str:
+        where = "backward" if which == "f" else "forward"
+        return (f"{which}'s {where} summed over all {c.world} ranks, not over its group: "
+                f"rank {c.rank}'s tensor-parallel group is ranks {c.report['group']}. Pass "
+                f"the group to dist.all_reduce (group=group; keep it on ctx in forward), "
+                f"or 3-D training mixes the groups' activations")
+    return hint
+
+
 # The expected value of each probe and the known wrong values, per operator. Values are
-# functions of (rank, t); the hints name the mistake.
+# functions of (rank, g: the ranks of its group, w: the world size); the hints name the
+# mistake.
 _OPS = {
     "f": {
-        "forward": (lambda r, t: r + 1.0, {
-            "all_reduce": (lambda r, t: t * (t + 1) / 2, "f all-reduces in forward: its input "
-                           "is the same on every rank already (it enters a column-parallel "
-                           "region), so f's forward is the identity and its all-reduce "
-                           "belongs in backward"),
-            "average": (lambda r, t: (t + 1) / 2, "f averages in forward: its forward is the "
-                        "identity")}),
-        "backward": (lambda r, t: 10.0 * t * (t + 1) / 2, {
-            "unchanged": (lambda r, t: 10.0 * (r + 1), "f's backward returns the gradient "
-                          "unchanged: each rank's slice of the next layer gives only part of "
-                          "dL/dx, so f's backward must all-reduce (sum) it"),
-            "average": (lambda r, t: 10.0 * (t + 1) / 2, "f's backward divides by t: the "
-                        "ranks' partial gradients add up, sum them without dividing")}),
+        "forward": (lambda r, g, w: r + 1.0, {
+            "all_reduce": (lambda r, g, w: _sum(g),
+                           "f all-reduces in forward: its input is the same on every rank "
+                           "already (it enters a column-parallel region), so f's forward is "
+                           "the identity and its all-reduce belongs in backward"),
+            "average": (lambda r, g, w: _sum(g) / len(g),
+                        "f averages in forward: its forward is the identity")}),
+        "backward": (lambda r, g, w: 10.0 * _sum(g), {
+            "unchanged": (lambda r, g, w: 10.0 * (r + 1),
+                          "f's backward returns the gradient unchanged: each rank's slice of "
+                          "the next layer gives only part of dL/dx, so f's backward must "
+                          "all-reduce (sum) it"),
+            "average": (lambda r, g, w: 10.0 * _sum(g) / len(g),
+                        "f's backward divides by t: the ranks' partial gradients add up, sum "
+                        "them without dividing"),
+            "ignores_group": (lambda r, g, w: 10.0 * _sum(range(w)), _ignores_group("f"))}),
     },
     "g": {
-        "forward": (lambda r, t: t * (t + 1) / 2, {
-            "unchanged": (lambda r, t: r + 1.0, "g returns its input: each rank holds a "
-                          "partial sum after a row-parallel layer, so g must all-reduce it in "
-                          "forward"),
-            "average": (lambda r, t: (t + 1) / 2, "g averages: the partial sums add up to "
-                        "the output, sum them without dividing")}),
-        "backward": (lambda r, t: 10.0 * (r + 1), {
-            "all_reduce": (lambda r, t: 10.0 * t * (t + 1) / 2, "g's backward all-reduces: "
-                           "the gradient of g's output is already the same whole gradient on "
-                           "every rank, so summing it makes it t times too big; g's backward "
-                           "is the identity"),
-            "average": (lambda r, t: 10.0 * (t + 1) / 2, "g's backward averages: it must "
-                        "return the gradient unchanged")}),
+        "forward": (lambda r, g, w: _sum(g), {
+            "unchanged": (lambda r, g, w: r + 1.0,
+                          "g returns its input: each rank holds a partial sum after a "
+                          "row-parallel layer, so g must all-reduce it in forward"),
+            "average": (lambda r, g, w: _sum(g) / len(g),
+                        "g averages: the partial sums add up to the output, sum them "
+                        "without dividing"),
+            "ignores_group": (lambda r, g, w: _sum(range(w)), _ignores_group("g"))}),
+        "backward": (lambda r, g, w: 10.0 * (r + 1), {
+            "all_reduce": (lambda r, g, w: 10.0 * _sum(g),
+                           "g's backward all-reduces: the gradient of g's output is already "
+                           "the same whole gradient on every rank, so summing it makes it t "
+                           "times too big; g's backward is the identity"),
+            "average": (lambda r, g, w: 10.0 * _sum(g) / len(g),
+                        "g's backward averages: it must return the gradient unchanged")}),
     },
 }
 _PARTS = ("forward", "backward")
@@ -127,8 +164,16 @@ def _tp_with_op(which: str, fn: Callable, steps: int) -> dict[str, Any]:
 
 
 def _op_rank(fn: Callable, phase: str, which: str) -> dict[str, Any]:
-    """The probe: the operator alone ("op") or inside a tensor-parallel TinyGPT ("train")."""
-    return _probe_op(fn) if phase == "op" else _tp_with_op(which, fn, STEPS)
+    """The probe: the operator alone on the whole world ("op") or on sub-groups ("group"),
+    or inside a tensor-parallel TinyGPT ("train")."""
+    if phase == "train":
+        return _tp_with_op(which, fn, STEPS)
+    return _probe_op(fn, TP_GROUP if phase == "group" else None)
+
+
+def _want(which: str, part: str, case: Case, rank: int) -> float:
+    """The right value of ``part`` on ``rank``, from the group the probe reported."""
+    return _OPS[which][part][0](rank, case.results[rank]["group"], case.world)
 
 
 def _is(got: torch.Tensor, value: float) -> bool:
@@ -145,15 +190,14 @@ def _first_wrong(case: Case) -> tuple[int, str] | None:
         if "error" in res:
             return rank, "error"
         for part in _PARTS:
-            want = _OPS[which][part][0]
-            if res[part] is None or not _is(res[part], want(rank, case.world)):
+            if res[part] is None or not _is(res[part], _want(which, part, case, rank)):
                 return rank, part
     return None
 
 
 def _wrong_value(which: str) -> Callable[[Case], str]:
     def hint(c: Case) -> str:
-        got, want = c.report[c.step], _OPS[which][c.step][0](c.rank, c.world)
+        got, want = c.report[c.step], _want(which, c.step, c, c.rank)
         came = "" if c.step == "forward" else ", the incoming gradient 10 x (rank + 1)"
         return (f"rank {c.rank}'s {which} gave {got.tolist()} in {c.step}, expected "
                 f"{[want] * got.numel()} (its input was rank + 1 = {c.rank + 1}{came})")
@@ -173,7 +217,7 @@ def _diagnoses(which: str) -> list[Diagnosis]:
             out.append(Diagnosis(
                 f"{part}_{label}",
                 lambda c, part=part, value=value: c.step == part and _is(
-                    c.report[part], value(c.rank, c.world)),
+                    c.report[part], value(c.rank, c.report["group"], c.world)),
                 hint))
     out += [
         Diagnosis("wrong_value", lambda c: c.step in _PARTS, _wrong_value(which)),
@@ -194,9 +238,12 @@ _CLASS_NOTE = """
 def _exercise(which: str, solution: str, prompt: str, explanation: str) -> RankExercise:
     train = (f"training a tensor-parallel TinyGPT with your {which} on {{world}} ranks, "
              f"rank {{rank}}")
+    groups = (f"on {{world}} ranks cut into tensor-parallel groups of {TP_GROUP} "
+              f"(ranks 0-1 and 2-3), rank {{rank}}")
     return RankExercise(
         f"03.{which}", probe=_op_rank,
         worlds=[World(t, ("op", which)) for t in WORLDS]
+        + [World(max(WORLDS), ("group", which), groups)]
         + [World(t, ("train", which), train) for t in WORLDS],
         reference=lambda world: None,  # the probe's values are formulas of (rank, t); the
         # training run compares with verify.reference_run on the ranks
@@ -210,7 +257,8 @@ register(_exercise("f", F_SOLUTION, """
         forward, all-reduce (sum over the group) of the gradient in backward, as a
         torch.autograd.Function with forward(ctx, x, group) and backward(ctx, grad).
     """ + _CLASS_NOTE + """
-        Checked on 2 and 4 ranks: forward and backward on rank-dependent values, then as
+        Checked on 2 and 4 ranks: forward and backward on rank-dependent values (also on
+        4 ranks cut into two groups of 2, each rank passing its own group), then as
         the f of a tensor-parallel TinyGPT trained for 3 SGD steps, whose logits,
         gradients and parameters must equal single-device training (rtol 1e-4).
     """, """
@@ -229,7 +277,8 @@ register(_exercise("g", G_SOLUTION, """
         all-reduce (sum over the group) in forward, identity in backward, as a
         torch.autograd.Function with forward(ctx, x, group) and backward(ctx, grad).
     """ + _CLASS_NOTE + """
-        Checked on 2 and 4 ranks: forward and backward on rank-dependent values, then as
+        Checked on 2 and 4 ranks: forward and backward on rank-dependent values (also on
+        4 ranks cut into two groups of 2, each rank passing its own group), then as
         the g of a tensor-parallel TinyGPT trained for 3 SGD steps, whose logits,
         gradients and parameters must equal single-device training (rtol 1e-4).
     """, """

@@ -39,8 +39,13 @@ register(Numeric(
         microbatch on every rank: why the t ranks need NVLink-class links.
     """,
     mistakes={
+        # 2 all-reduces x 2(t-1)/t and 4 all-reduces x (t-1)/t give the same number: the
+        # hint names both ways to reach it
         tp_sent_bytes_per_layer(_B, _S, _H, _T, 2, passes=("forward",)):
-            "that is the forward only; backward all-reduces the gradients twice more",
+            "that is half the answer. With the ring factor (t-1)/t you counted only one of "
+            "the ring's two passes: a ring all-reduce is a reduce-scatter and an all-gather, "
+            "each sending (t-1)/t of the message, 2(t-1)/t in all. Or it is the forward "
+            "only: backward all-reduces the gradients twice more",
         4 * _B * _S * _H * 2: "a ring all-reduce sends 2(t-1)/t of the message from each "
                               "rank, not the message once",
         tp_sent_bytes_per_layer(_B, _S, _H, _T, 4): "the activations are bf16: 2 bytes "
@@ -133,12 +138,13 @@ register(Choice(
     "03.t_within_node",
     "A",
     options={
-        "A": "Each layer all-reduces its activations in forward and backward on the "
-             "critical path, so t ranks need the fast links that only GPUs in one node "
-             "share.",
-        "B": "t must divide the number of layers, and 8 divides most layer counts.",
-        "C": "NCCL cannot all-reduce between nodes.",
-        "D": "Weights cannot be split more than 8 ways.",
+        "A": "Its all-reduces sit on every layer's critical path, so they need in-node "
+             "links.",
+        "B": "Data parallelism already uses the links between nodes, so t must leave them "
+             "free.",
+        "C": "Beyond 8 ways each rank's share of the weights stops shrinking, so nothing "
+             "is saved.",
+        "D": "t must divide the number of layers, and 8 divides most layer counts.",
     },
     prompt="""
         Megatron-LM and its successors normally keep the tensor-parallel degree t at or
@@ -150,15 +156,17 @@ register(Choice(
         they finish. Inside a node NVLink moves hundreds of GB/s; between nodes a
         network link moves tens. Past one node the all-reduces slow every layer down.
         The matrices also get thinner as t grows, so each GPU's matmuls become too small
-        to run efficiently. t divides the number of heads and the hidden size, not the
-        number of layers (B); NCCL all-reduces across nodes all the time, for data
-        parallelism (C); and a matrix can be cut into any number of slices that divides
-        its width (D).
+        to run efficiently. Data parallelism shares the links between nodes well (B): it
+        sends once per step and can overlap; what makes tensor parallelism different is
+        *when* it sends. Each rank holds 1/t of every split matrix, so memory keeps
+        shrinking with t (C). And t divides the heads and the hidden size, not the number
+        of layers (D): that is the pipeline's constraint.
     """,
     hints={
-        "B": "tensor parallelism splits the matrices inside a layer: what must t divide?",
-        "C": "data parallelism all-reduces gradients across nodes with NCCL every step",
-        "D": "a matrix can be cut into as many slices as its width allows",
+        "B": "data parallelism's once-per-step sync shares those links well; what is special "
+             "about tensor parallelism's traffic is when it is sent",
+        "C": "each rank holds 1/t of every split matrix: its share keeps shrinking as t grows",
+        "D": "tensor parallelism splits the matrices inside a layer: what must t divide?",
     },
 ))
 
@@ -166,13 +174,13 @@ register(Choice(
     "03.mlp_split",
     "C",
     options={
-        "A": "Splitting A by rows would need more memory for the weights.",
-        "B": "Either way works without communication in between; columns are a "
+        "A": "Cut by rows, each rank's slice of A would need more memory than a column "
+             "slice.",
+        "B": "Either cut works with no communication in between; columns are a "
              "convention.",
-        "C": "GELU acts on each element, so GELU(XA) cut by columns is GELU of the column "
-             "slices: no communication between the two matmuls. Cut by rows, each rank "
-             "would hold a partial sum, and GELU of a sum is not the sum of GELUs.",
-        "D": "Splitting by columns halves the bytes of the all-reduce.",
+        "C": "GELU acts on each element: it applies to column slices, not to partial "
+             "sums.",
+        "D": "Cutting A by columns halves the bytes of the all-reduce the MLP ends with.",
     },
     prompt="""
         Megatron's MLP computes GELU(XA) B and splits A by columns and B by rows. Why not

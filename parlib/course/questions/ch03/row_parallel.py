@@ -3,7 +3,9 @@ tensor-parallel TinyGPT."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import warnings
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -45,6 +47,35 @@ class _LearnerRowParallel(torch.nn.Module):
         return self.fn(x, self.linear, None)
 
 
+@contextlib.contextmanager
+def _plain_all_reduce_watch() -> Iterator[list[bool]]:
+    """Yields a list that holds True once ``dist.all_reduce`` ran on a tensor autograd
+    tracks. That all-reduce is invisible to autograd: it works only through torch's
+    deprecated autograd fallback (which warns "may lead to silently incorrect behavior"),
+    and its backward is whatever the fallback does, not a choice the code made. Inside an
+    autograd Function's forward (g's) grad mode is off, so g's own all-reduce is not
+    counted."""
+    import torch.distributed as dist
+
+    seen: list[bool] = []
+    real = dist.all_reduce
+
+    def watched(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and getattr(tensor, "requires_grad", False):
+            seen.append(True)
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = watched
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield seen
+        if any("silently incorrect" in str(w.message) for w in caught):
+            seen.append(True)
+    finally:
+        dist.all_reduce = real
+
+
 def _probe_row(fn: Callable) -> dict[str, Any]:
     """On each rank: the learner's layer on a square 8 x 8 linear, this rank's slice of a
     random input, against the full layer; and the candidates for common mistakes."""
@@ -79,11 +110,14 @@ def _probe_row(fn: Callable) -> dict[str, Any]:
     mine_layer.load_state_dict(full.state_dict())
     xs = x[..., mine].clone().requires_grad_()
     try:
-        y = fn(xs, mine_layer, None)
+        with _plain_all_reduce_watch() as plain:
+            y = fn(xs, mine_layer, None)
     except NotImplementedError:  # the exercise's stub: "not attempted"
         raise
     except RuntimeError as exc:  # a shape mismatch, most often
         return {"error": str(exc).splitlines()[0]}
+    if plain:
+        return {"plain_all_reduce": True}
     if not isinstance(y, torch.Tensor):
         return {"error": f"row_parallel_linear returned {type(y).__name__}, not a tensor"}
     out = {"y": y.detach().clone(), "want": yf.detach(), "candidates": candidates}
@@ -169,6 +203,8 @@ def _first_wrong(case: Case) -> tuple[int, str] | None:
             continue
         if "error" in res:
             return rank, "error"
+        if "plain_all_reduce" in res:
+            return rank, "plain_all_reduce"
         if res["y"].shape != res["want"].shape:
             return rank, "shape"
         if not close(res["y"], res["want"]):
@@ -201,6 +237,13 @@ DIAGNOSES = [
               lambda c: f"rank {c.rank}: {c.report['error']}. x holds this rank's "
               f"in_features/t input features; the matching weight slice is the columns "
               f"linear.weight[:, r * in/t:(r + 1) * in/t] (shape (out, in/t))"),
+    Diagnosis("plain_all_reduce", lambda c: c.step == "plain_all_reduce",
+              "you called dist.all_reduce directly on a tensor autograd tracks: autograd "
+              "cannot see through it (torch only falls back, warning that this \"may lead "
+              "to silently incorrect behavior\"). Use g, "
+              "tensor_ops.reduce_from_tensor_parallel_region (or your own from 03.g): an "
+              "autograd Function whose forward all-reduces and whose backward is the "
+              "identity, on purpose"),
     Diagnosis("wrong_shape", lambda c: c.step == "shape",
               lambda c: f"rank {c.rank} returned shape {tuple(c.report['y'].shape)}, expected "
               f"{tuple(c.report['want'].shape)}: every rank returns the whole output"),
@@ -245,7 +288,8 @@ QUESTION = register(RankExercise(
         (b, s, out_features) on every rank, computed from this rank's slice of the weight
         only, with the right communication in forward and backward: use g (all-reduce
         forward, identity backward), tensor_ops.reduce_from_tensor_parallel_region from
-        parlib.strategies, or your own from 02.g. Checked on 2 and 4
+        parlib.strategies, or your own from 03.g
+        (a bare dist.all_reduce is rejected: autograd cannot see it). Checked on 2 and 4
         ranks: a square layer against nn.Linear (output, and the gradients of x, of this
         rank's weight columns and of the bias), then as attention's out and the MLP's
         down in a tensor-parallel TinyGPT trained for 3 SGD steps against single-device

@@ -186,9 +186,8 @@ register(Choice(
     options={
         "A": "Adding stages removes the bubble, as long as every stage gets the same number "
              "of layers.",
-        "B": "Each extra stage adds a slot to fill and to drain the pipe: the bubble "
-             "(p-1)/(m+p-1) grows with p. Only more microbatches per step (or interleaving) "
-             "shrink it.",
+        "B": "Each extra stage adds a slot of fill and of drain: the idle fraction grows "
+             "with p.",
         "C": "The bubble is caused by slow links between stages; more stages do not make "
              "links faster.",
         "D": "The bubble is caused by the gradient all-reduce at the end of the step, which "
@@ -222,9 +221,7 @@ register(Choice(
     options={
         "A": "After every microbatch's backward, all 8 ranks all-reduce all their gradients.",
         "B": "Once per step, all 8 ranks all-reduce the whole model's gradients together.",
-        "C": "Once per step, after the flush: each stage all-reduces its own gradients with "
-             "the same stage of the other copy (4 groups of 2 ranks, each 1/4 of the "
-             "parameters).",
+        "C": "Once per step: each stage with its twin stage in the other copy.",
         "D": "Never: the pipeline's send and recv already carry the gradients between the "
              "copies.",
     },

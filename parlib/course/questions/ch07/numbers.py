@@ -66,7 +66,14 @@ register(Numeric(
         16 x P / (t x p) = 16 x 48e9 / 16 = 48e9 bytes = **{_SEED_MEMORY:.1f} GiB**.
         d does not appear: copies do not share the memory.
     """,
-    mistakes={16 * _P_SEED / 4 / GiB: "divide by both t and p: each chip holds 1/t of the "
+    mistakes={2 * _P_SEED / 16 / GiB: "that counts 2 bytes per parameter, the fp16 weights "
+                                      "only: training with Adam in mixed precision also "
+                                      "holds the gradients (2), an fp32 master copy (4) and "
+                                      "two fp32 moments (8), 16 bytes per parameter",
+              4 * _P_SEED / 16 / GiB: "that counts 4 bytes per parameter, fp32 weights "
+                                      "only: mixed-precision Adam holds 16 bytes per "
+                                      "parameter (weights, gradients, master copy, moments)",
+              16 * _P_SEED / 4 / GiB: "divide by both t and p: each chip holds 1/t of the "
                                       "matrices of 1/p of the layers",
               16 * _P_SEED / 256 / GiB: "data-parallel copies each hold everything (ZeRO "
                                         "would shard it; plain data parallelism does not)",
@@ -77,11 +84,10 @@ register(Choice(
     "07.crosses_nodes",
     "B",
     options={
-        "A": "Only the pipeline sends and receives cross nodes.",
-        "B": "Pipeline sends and data-parallel all-reduces cross nodes; tensor-parallel "
-             "all-reduces stay inside a node.",
-        "C": "All three cross nodes.",
-        "D": "Only the tensor-parallel all-reduces cross nodes.",
+        "A": "Only the pipeline's sends: its groups are the ones spread farthest apart.",
+        "B": "Pipeline sends and data-parallel all-reduces; tp stays inside a node.",
+        "C": "All three axes cross nodes, since 64 ranks cannot fit in one 8-GPU node.",
+        "D": "Only the data-parallel all-reduces: pipeline neighbours share a node.",
     },
     prompt="""
         64 GPUs in nodes of 8 (GPUs 0-7 in node 0, 8-15 in node 1, ...) run d x t x p =
@@ -95,7 +101,8 @@ register(Choice(
         48): four nodes. This is the point of the order: the axis that talks at every
         layer (tp) gets the fast in-node links.
     """,
-    hints={"A": "write out rank 0's data-parallel group: ranks t apart, d of them",
+    hints={"A": "the pipeline is not the only axis that crosses nodes once d x t > 8: write "
+                "out rank 0's data-parallel group, ranks t apart, d of them",
            "C": "write out rank 0's tensor-parallel group: which ranks, which node?",
-           "D": "tp varies fastest: its groups are consecutive ranks"},
+           "D": "write out rank 0's pipeline group: ranks d x t = 16 apart"},
 ))

@@ -4,7 +4,10 @@ bandwidth-bound run need."""
 from __future__ import annotations
 
 from parlib.cost import (
+    Model,
+    boundary_bytes,
     model_state_bytes,
+    predicted_sent_bytes,
     tp_sent_bytes_per_layer,
 )
 from parlib.course.question_types import Choice, Numeric
@@ -19,11 +22,10 @@ register(Choice(
     "08.memory_bound",
     "B",
     options={
-        "A": "more data-parallel copies, so each holds less of the batch",
-        "B": "split the model: tensor parallelism within a node, then pipeline stages "
-             "(or shard the model states with ZeRO-3 / FSDP)",
-        "C": "a larger global batch",
-        "D": "more microbatches per step",
+        "A": "more data-parallel copies, so that each one processes less of the batch",
+        "B": "split the model (t in a node, then p) or shard its states (ZeRO-3)",
+        "C": "a smaller batch per device, with gradient accumulation to keep the step's",
+        "D": "more microbatches per step, so that each holds fewer activations",
     },
     prompt="""
         A run is memory-bound: the weights, gradients and Adam state of the model alone
@@ -32,44 +34,72 @@ register(Choice(
     """,
     working="""
         **B.** Data parallelism copies the whole model to every device, so adding copies
-        (A) leaves each device's model states unchanged, and a batch (C) or microbatches
-        (D) only change activations. Splitting the model divides the parameters (and their
-        gradients and optimizer state) by t x p; ZeRO-3 divides them by the data-parallel
-        degree at the price of about 1.5x data parallelism's traffic.
+        (A) leaves each device's model states unchanged, and a smaller batch per device
+        (C) or more microbatches (D) only shrink the activations. Splitting the model
+        divides the parameters (and their gradients and optimizer state) by t x p; ZeRO-3
+        divides them by the data-parallel degree at the price of about 1.5x data
+        parallelism's traffic.
     """,
     hints={
         "A": "every data-parallel copy holds the whole model: copies do not shrink it",
-        "C": "the batch changes activation memory, not the model states",
+        "C": "the batch per device changes activation memory, not the model states, which "
+             "alone are several devices' worth",
         "D": "microbatches change activation memory and the bubble, not the model states",
     },
 ))
+
+# The bandwidth-bound case of the chapter's link sweep: GPT-3 6.7B's shape on 8 nodes of
+# 8 GPUs, 512 sequences of 2048 tokens per step, bf16. The slow links carry either the
+# gradient sync (data parallelism across nodes) or the stage boundaries (a pipeline across
+# nodes, data parallelism inside them, as the planner picks at a few GB/s).
+_BW_MODEL = Model(32, 4096, 32, 2048, 51200, name="6.7B")
+_BW_BATCH, _BW_D_INSIDE, _BW_GBS = 512, 8, 5
+_SYNC_BYTES = predicted_sent_bytes("all_reduce", 2 * _BW_MODEL.n_params, 64)
+# one pipeline gets batch / d sequences; each boundary sends them forward and back
+_BOUNDARY_BYTES = 2 * boundary_bytes(_BW_BATCH // _BW_D_INSIDE, _BW_MODEL.seq_len,
+                                     _BW_MODEL.d_model, dtype_bytes=2)
+_SYNC_GB, _BOUNDARY_GB = _SYNC_BYTES / 1e9, _BOUNDARY_BYTES / 1e9
+_SYNC_S, _PER_PIPE = _SYNC_BYTES / (_BW_GBS * 1e9), _BW_BATCH // _BW_D_INSIDE
 
 register(Choice(
     "08.bandwidth_bound",
     "C",
     options={
-        "A": "tensor parallelism across the nodes",
-        "B": "pipeline parallelism with one microbatch per step",
-        "C": "data parallelism, with enough work per synced byte (a larger batch per rank "
-             "or gradient accumulation); split the model only as far as memory forces",
-        "D": "ZeRO-3 across the nodes",
+        "A": "tensor parallelism across the nodes, data parallelism inside each node",
+        "B": "data parallelism across the nodes: it syncs once per step, overlapped with "
+             "backward",
+        "C": "pipeline stages across the nodes, data parallelism inside each node",
+        "D": "ZeRO-3 across the nodes, to cut each GPU's memory by the number of nodes",
     },
     prompt="""
-        The model fits on one device with room to spare, but the nodes are joined by a
-        slow network. Which strategy should carry the scale-out? Give one letter.
+        GPT-3 6.7B's shape (with ZeRO-1 a copy fits on one 80 GB GPU) trains on 64 GPUs in
+        8 nodes, 512 sequences of 2048 tokens per step, in bf16. NVLink inside a node is
+        fast; the links between nodes are slow, 5 GB/s per GPU. Which traffic should the
+        slow links carry? Give one letter.
     """,
-    working="""
-        **C.** Data parallelism sends its gradients once per step and can overlap them with
-        backward; more samples per rank per step make the same bytes pay for more compute.
-        Tensor parallelism (A) sends activations in every layer, forward and backward:
-        fine-grained traffic punishes slow links most. A one-microbatch pipeline (B) idles
-        (p-1)/p of the time. ZeRO-3 (D) sends about 1.5x data parallelism's bytes to save
-        memory the run does not need.
+    working=f"""
+        **C.** Count the bytes each choice puts on the slow links per step. A data-parallel
+        sync across the nodes moves about 2 x the gradient, 2(N-1)/N x 2 bytes x P =
+        {_SYNC_GB:.1f} GB per GPU, **whatever the batch**: {_SYNC_S:.1f} s at {_BW_GBS} GB/s,
+        which overlap hides only if the backward lasts longer than that. A pipeline across
+        the nodes sends only the boundary activations: with d = {_BW_D_INSIDE} inside the
+        nodes each pipeline carries {_PER_PIPE} sequences, forward and back, 2 x
+        {_PER_PIPE} x 2048 x 4096 x 2 bytes = {_BOUNDARY_GB:.1f} GB per step over a
+        boundary, {_SYNC_GB / _BOUNDARY_GB:.0f}x fewer, at the price of a bubble. That is
+        what the chapter's planner picks as the link slows (d = 8, p = 8 at 5 GB/s), and
+        why it splits the model further than memory forces. Tensor parallelism (A) sends
+        activations in every layer, on the critical path: fine-grained traffic punishes
+        slow links most. ZeRO-3 (D) sends about 1.5x data parallelism's bytes to save
+        memory the run does not need. B is the rule of thumb that holds when the model is
+        small against the batch, so that the sync hides behind a long backward.
     """,
     hints={
         "A": "tensor parallelism talks inside every layer: the slow link is on its "
              "critical path many times per step",
-        "B": "with m = 1 each stage idles (p-1)/p of the step",
+        "B": f"the gradient sync moves about 2 x the gradient's bytes per step whatever the "
+             f"batch: {_SYNC_BYTES / 1e9:.0f} GB per GPU here, "
+             f"{_SYNC_BYTES / (_BW_GBS * 1e9):.0f} s at {_BW_GBS} GB/s. What does a stage "
+             f"boundary send instead?",
         "D": "ZeRO-3 trades extra traffic (about 1.5x data parallelism's) for memory, and "
              "memory is not the problem here",
     },

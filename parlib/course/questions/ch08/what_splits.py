@@ -18,12 +18,11 @@ register(Choice(
     "08.what_tp_splits",
     "B",
     options={
-        "A": "the batch; it sends the gradients once per step",
-        "B": "the weight matrices inside each layer; it sends partial activations in "
-             "every layer, forward and backward",
-        "C": "the layers into consecutive stages; it sends activations across each stage "
-             "boundary",
-        "D": "the optimizer state; it gathers the parameters before each use",
+        "A": "the batch; it all-reduces the gradients once per step, after the backward",
+        "B": "the weight matrices in each layer; it all-reduces activations in every layer",
+        "C": "the layers into consecutive stages; it sends activations across each "
+             "stage boundary",
+        "D": "the optimizer state and gradients; it gathers parameters before each use",
     },
     prompt="""
         What does tensor (model) parallelism split, and what must it communicate?
