@@ -72,3 +72,16 @@ def test_prose_names_chapters_instead_of_numbering_them():
                 hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()[:100]}")
     assert not hits, ("name chapters (parlib.chapters: Chapter.name), don't number them:\n"
                       + "\n".join(hits))
+
+
+@pytest.mark.parametrize("folder", ["notebooks", "authoring", "exercises", "solutions"])
+def test_each_notebooks_title_carries_its_chapters_number(folder):
+    import json
+
+    for c in CHAPTERS:
+        path = ROOT / folder / c.notebook
+        if not path.exists():
+            continue
+        cells = json.loads(path.read_text())["cells"]
+        title = "".join(next(x for x in cells if x["cell_type"] == "markdown")["source"])
+        assert title.startswith(f"# {c.number} ·"), f"{folder}/{c.notebook}: {title[:40]!r}"
