@@ -139,3 +139,17 @@ def test_mesh_position_never_runs_in_the_graders_process(tmp_path):
     assert check("07.mesh_position", define_learner(src, "mesh_position")).passed
     pids = {int(line) for line in seen.read_text().split()}
     assert pids and os.getpid() not in pids
+
+
+def test_pick_layout_working_says_true_things_about_zero3():
+    """The working says ZeRO-3 would let d = 64 alone fit, and that the plain rule (no ZeRO)
+    is what the check applies: both stay true of cost.estimate."""
+    from parlib.cost import Layout, estimate
+    from parlib.course.questions.ch07 import layout as pick
+
+    def fits(**options):
+        return estimate(pick.PICK_MODEL, pick.PICK_HARDWARE, Layout(dp=64), m=pick.PICK_BATCH // 64,
+                        global_batch=pick.PICK_BATCH, **options).fits
+
+    assert fits(zero=3) and not fits()
+    assert pick.pick_layout_problems(64, 1, 1) is not None

@@ -45,7 +45,8 @@ register(WholeNumbers(
         GPUs of 80 GB in nodes of 8, global batch {PICK_BATCH} sequences (microbatches of
         one sequence). The rules: d x t x p = 64; t within a node and dividing the heads;
         p dividing the layers; memory per GPU under 80 GB by `cost.estimate` (mixed
-        precision, Adam). Give a tuple (d, t, p).
+        precision, Adam, no ZeRO and no recomputation: every data-parallel copy keeps its
+        whole part of the model states). Give a tuple (d, t, p).
     """,
     working="""
         Tensor parallelism first, inside the node: t = 8 at most. Memory: 16 bytes x P
@@ -53,7 +54,9 @@ register(WholeNumbers(
         divide 60: 1, 2, 3, 4, 5, 6, 10, 12, 15, ... and t x p must divide 64, so p is 1, 2
         or 4. With t = 8, p = 2 or 4 fit (d = 4 or 2); with t = 4, p = 4 (d = 4) fits.
         (2, 8, 4) leaves the most room. (1, 8, 8) is out: 8 does not divide 60, and
-        (4, 16, 1) fits but puts tensor parallelism across nodes.
+        (4, 16, 1) fits but puts tensor parallelism across nodes. With ZeRO-3 or
+        recomputation more layouts would fit, even d = 64 alone, but slowly: the combining
+        chapter's first section counts why.
     """,
 ))
 
