@@ -15,6 +15,7 @@ raise loop written once here.
 
 from __future__ import annotations
 
+import functools
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -229,3 +230,63 @@ class RankExercise(Implementation):
                     raise self._fail(diagnosis.name, f"{where}{diagnosis.message(case)}")
             if found is not None:
                 raise self._fail("wrong", f"{where}rank {case.rank}'s numbers are wrong")
+
+
+# --------------------------------------------------------------------------- case exercises
+
+
+def run_cases(report: Callable[[Callable, str], dict[str, Any]], names: Sequence[str],
+              fn: Callable) -> list[dict[str, Any]]:
+    """In the child process: ``report(fn, name)`` for each case in turn, up to the first
+    with a "problem"."""
+    from parlib.course.answers import no_process_exit
+
+    out = []
+    for name in names:
+        with no_process_exit():
+            out.append({"name": name, **report(fn, name)})
+        if "problem" in out[-1]:
+            break
+    return out
+
+
+class CaseExercise(RankExercise):
+    """A function with no collectives of its own, judged on named cases: ``report(fn,
+    name)`` (a module-level function returning a dict, with a "problem" key when the
+    answer is wrong on that case) runs for every name in ``cases`` in one child process,
+    never in the grader; the first wrong case goes through ``diagnoses`` (first match
+    wins), its message prefixed by ``where(case)``. ``refuse(fn)``, run in the grader on
+    the function object only (never calling it), may return a (diagnosis name, message)
+    for an answer that is not the learner's own work."""
+
+    def __init__(self, id: str, *, cases: Sequence[str],
+                 report: Callable[[Callable, str], dict[str, Any]],
+                 diagnoses: Sequence[Diagnosis], solution: str, explanation: str,
+                 prompt: str, after: str = "", timeout: float = 60.0,
+                 where: Callable[[Case], str] = lambda case: "",
+                 refuse: Callable[[Callable], tuple[str, str] | None] | None = None,
+                 refusals: Sequence[str] = ()) -> None:
+        super().__init__(id, probe=functools.partial(run_cases, report, tuple(cases)),
+                         worlds=[World(1)], reference=lambda world: None,
+                         first_wrong=lambda case: None, diagnoses=diagnoses,
+                         solution=solution, explanation=explanation, after=after, where="",
+                         prompt=prompt, timeout=timeout)
+        self.describe, self.refuse, self.refusals = where, refuse, list(refusals)
+
+    def diagnosis_names(self) -> list[str]:
+        return self.refusals + [d.name for d in self.diagnoses]
+
+    def _run(self, fn: Callable) -> None:
+        refused = self.refuse(fn) if self.refuse is not None else None
+        if refused is not None:
+            raise self._fail(*refused)
+        reports = self._launch(fn, self.worlds[0])[0]
+        wrong = [r for r in reports if "problem" in r]
+        if not wrong:
+            return
+        case = Case(1, [wrong[0]], None, rank=0, step=wrong[0]["name"])
+        for diagnosis in self.diagnoses:
+            if diagnosis.when(case):
+                prefix = self.describe(case)
+                raise self._fail(diagnosis.name, f"{prefix}: {diagnosis.message(case)}"
+                                 if prefix else diagnosis.message(case))

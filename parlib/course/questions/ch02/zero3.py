@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import time
 import weakref
 from typing import Any, Callable
 
@@ -116,6 +117,20 @@ class _Unit(torch.nn.Module):
         return y.reshape(*x.shape[:-1], -1) + self.bias
 
 
+def _kept_bytes(rec: _Recorder, settle_s: float = 1.0) -> int:
+    """Bytes of gathered weights still alive. Reachable only (a cycle's garbage is not
+    held); gloo's finished work objects may hold a list all-gather's outputs a moment
+    longer, so a non-zero count is re-read until it settles or ``settle_s`` passes."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        gc.collect()
+        kept = sum(r().numel() * r().element_size() for op, _, refs, _ in rec.calls
+                   if op == "all_gather" for r in refs if r() is not None)
+        if kept == 0 or time.monotonic() > deadline:
+            return kept
+        time.sleep(0.02)
+
+
 def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
     """STEPS steps of data-parallel SGD over ``group`` with every block linear a learner's
     unit; the replicated parameters' gradients averaged by the harness."""
@@ -151,10 +166,7 @@ def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
             finally:
                 rec.on = False
             if step == 0:  # what the units still hold between forward and backward
-                gc.collect()  # reachable only: a cycle's garbage is not held
-                out["kept_bytes"] = sum(r().numel() * r().element_size()
-                                        for op, _, refs, _ in rec.calls if op == "all_gather"
-                                        for r in refs if r() is not None)
+                out["kept_bytes"] = _kept_bytes(rec)
                 out["forward_ops"] = [(op, functional) for op, _, _, functional in rec.calls]
                 rec.calls.clear()
             rec.on = True

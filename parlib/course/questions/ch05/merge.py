@@ -5,16 +5,14 @@ one side or on both, and scores large enough to overflow exp)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from parlib.course.answers import plain_tensor
-from parlib.course.on_ranks import Case, Diagnosis, always, working_text
-from parlib.course.question_types import Implementation
+from parlib.course.on_ranks import Case, CaseExercise, Diagnosis, always
 from parlib.course.registry import register
-from parlib.course.results import CheckFailed
 from parlib.strategies.context_ops import block_attention, merge_partials
 from parlib.verify import close
 
@@ -195,39 +193,20 @@ DIAGNOSES = (
 )
 
 
-class MergeExercise(Implementation):
-    """A function judged in this process on ``CASES``, in order: the first wrong case goes
-    through ``diagnoses`` (first match wins), as a :class:`RankExercise` does on ranks."""
-
-    def __init__(self, id: str, *, diagnoses: Sequence[Diagnosis], solution: str,
-                 explanation: str, prompt: str) -> None:
-        super().__init__(id, self._run, prompt=prompt, timeout=30.0,
-                         working=working_text(explanation, solution))
-        self.diagnoses, self.solution = tuple(diagnoses), solution
-
-    def diagnosis_names(self) -> list[str]:
-        return ["parlib_merge", *(d.name for d in self.diagnoses)]
-
-    def _run(self, fn: Callable) -> None:
-        if fn is merge_partials:  # the notebook imports it for the ring exercise
-            failure = CheckFailed("that is parlib's own merge_partials, imported for the ring "
-                                  "exercise: write your own merge and check that")
-            failure.diagnosis = "parlib_merge"
-            raise failure
-        for name in CASES:
-            report = _report(fn, name)
-            if "problem" not in report:
-                continue
-            case = Case(1, [report], None, rank=0, step=name)
-            for diagnosis in self.diagnoses:
-                if diagnosis.when(case):
-                    failure = CheckFailed(f"on {_WHERE[name]}: {diagnosis.message(case)}")
-                    failure.diagnosis = diagnosis.name
-                    raise failure
+def _refuse_parlibs_merge(fn: Callable) -> tuple[str, str] | None:
+    if fn is merge_partials:  # the notebook imports it for the ring exercise
+        return ("parlib_merge", "that is parlib's own merge_partials, imported for the ring "
+                "exercise: write your own merge and check that")
+    return None
 
 
-QUESTION = register(MergeExercise(
+QUESTION = register(CaseExercise(
     "05.merge_partials",
+    cases=CASES,
+    report=_report,
+    where=lambda case: f"on {_WHERE[case.step]}",
+    refuse=_refuse_parlibs_merge,
+    refusals=["parlib_merge"],
     diagnoses=DIAGNOSES,
     solution=MERGE_SOLUTION,
     prompt="""
@@ -258,4 +237,4 @@ QUESTION = register(MergeExercise(
     """,
 ))
 
-__all__ = ["CASES", "MERGE_SOLUTION", "MergeExercise", "lse_close"]
+__all__ = ["CASES", "MERGE_SOLUTION", "lse_close"]

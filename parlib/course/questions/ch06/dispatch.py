@@ -6,17 +6,15 @@ ep = 2 and 4, with the two all-to-alls and the remote experts emulated by ``exch
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from parlib.cost.experts import expert_capacity
 from parlib.course.answers import plain_tensor
-from parlib.course.on_ranks import Case, Diagnosis, always, working_text
-from parlib.course.question_types import Implementation
+from parlib.course.on_ranks import Case, CaseExercise, Diagnosis, always
 from parlib.course.registry import register
-from parlib.course.results import CheckFailed
 from parlib.model import ModelConfig, MoE, route
 from parlib.verify import close
 
@@ -251,35 +249,11 @@ DIAGNOSES = (
 )
 
 
-class DispatchExercise(Implementation):
-    """A function judged in this process on ``CASES``, in order: the first wrong case goes
-    through ``diagnoses`` (first match wins)."""
-
-    def __init__(self, id: str, *, diagnoses: Sequence[Diagnosis], solution: str,
-                 explanation: str, prompt: str, after: str = "") -> None:
-        super().__init__(id, self._run, prompt=prompt, timeout=30.0,
-                         working=working_text(explanation, solution, after))
-        self.diagnoses, self.solution = tuple(diagnoses), solution
-
-    def diagnosis_names(self) -> list[str]:
-        return [d.name for d in self.diagnoses]
-
-    def _run(self, fn: Callable) -> None:
-        for name in CASES:
-            report = _report(fn, name)
-            if "problem" not in report:
-                continue
-            case = Case(1, [report], None, rank=0, step=name)
-            for diagnosis in self.diagnoses:
-                if diagnosis.when(case):
-                    failure = CheckFailed(f"with {_case_words(case)}: "
-                                          f"{diagnosis.message(case)}")
-                    failure.diagnosis = diagnosis.name
-                    raise failure
-
-
-QUESTION = register(DispatchExercise(
+QUESTION = register(CaseExercise(
     "06.dispatch",
+    cases=CASES,
+    report=_report,
+    where=lambda case: f"with {_case_words(case)}",
     diagnoses=DIAGNOSES,
     solution=DISPATCH_SOLUTION,
     prompt="""
@@ -323,4 +297,4 @@ QUESTION = register(DispatchExercise(
     """,
 ))
 
-__all__ = ["CASES", "DISPATCH_SOLUTION", "DispatchExercise", "Refused"]
+__all__ = ["CASES", "DISPATCH_SOLUTION", "Refused"]
