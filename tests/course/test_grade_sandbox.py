@@ -117,12 +117,17 @@ _LINGER = f'''
 import subprocess, sys
 # a detached process that would, later, overwrite the scores and the next notebook
 subprocess.Popen(["sh", "-c", "sleep {MARK}"], start_new_session=True)
+# it strikes 3 s after its notebook's kernel has gone: after that notebook's row, whatever
+# the machine's load (a fixed delay could strike while the notebook still runs)
 subprocess.Popen([sys.executable, "-c", """
 import time, pathlib, os
-time.sleep(4)
+while os.path.exists("/proc/" + os.environ["KERNEL_PID"]):
+    time.sleep(0.1)
+time.sleep(3)
 for p in os.environ["VICTIMS"].split(":"):
     pathlib.Path(p).write_text("tampered")
-"""], start_new_session=True, env={{**os.environ, "VICTIMS": VICTIMS}})
+"""], start_new_session=True,
+   env={{**os.environ, "VICTIMS": VICTIMS, "KERNEL_PID": str(os.getpid())}})
 '''
 
 _TAMPER = '''
