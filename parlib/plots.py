@@ -204,34 +204,43 @@ def draw_timeline(
 
 # ---- the context-parallel chapter: causal work per rank, activations per rank against s
 
-def draw_causal_imbalance(runs: dict[str, Sequence[dict[str, float]]], caption: str = "",
-                          ax=None):
-    """Per rank, emulated compute (busy) and the waiting around it, one group of bars per
-    layout: ``runs[layout][rank]`` has ``"busy"`` and ``"total"`` seconds
-    (:func:`parlib.experiments.context.emulated_imbalance`). Returns the axes."""
+def _busy_and_waiting(runs: dict[str, Sequence[dict[str, float]]], xlabel: str,
+                      legend: tuple[str, str], ax=None, **legend_kw):
+    """One bar per rank, grouped by run: its ``"busy"`` seconds, then the rest of its
+    ``"total"`` as waiting; ``legend`` names the two parts."""
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 2.4 + 0.3 * sum(len(r) for r in runs.values())))
     labels, ticks, y = [], [], 0.0
-    for layout, ranks in runs.items():
+    for name, ranks in runs.items():
         for rank, r in enumerate(ranks):
             ticks.append(y)
             busy, wait = r["busy"] * 1e3, max(r["total"] - r["busy"], 0.0) * 1e3
             ax.barh(y, busy, color=COLORS["forward"])
             ax.barh(y, wait, left=busy, color=COLORS["idle"], edgecolor=COLORS["theory"],
                     linewidth=0.3)
-            labels.append(f"{layout}, rank {rank}")
+            labels.append(f"{name}, rank {rank}")
             y += 1
         y += 0.5
     ax.set_yticks(ticks, labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("ms (one causal ring-attention forward)")
-    from matplotlib.patches import Patch
+    ax.set_xlabel(xlabel)
+    ax.legend(handles=[Patch(color=COLORS["forward"], label=legend[0]),
+                       Patch(color=COLORS["idle"], label=legend[1])],
+              fontsize=8, frameon=False, **legend_kw)
+    return ax
 
-    ax.legend(handles=[Patch(color=COLORS["forward"], label="compute (emulated)"),
-                       Patch(color=COLORS["idle"], label="waiting for the ring")],
-              loc="lower right", fontsize=8, frameon=False)
+
+def draw_causal_imbalance(runs: dict[str, Sequence[dict[str, float]]], caption: str = "",
+                          ax=None):
+    """Per rank, emulated compute (busy) and the waiting around it, one group of bars per
+    layout: ``runs[layout][rank]`` has ``"busy"`` and ``"total"`` seconds
+    (:func:`parlib.experiments.context.emulated_imbalance`). Returns the axes."""
+    ax = _busy_and_waiting(runs, "ms (one causal ring-attention forward)",
+                           ("compute (emulated)", "waiting for the ring"), ax,
+                           loc="lower right")
     if caption:
         ax.set_title(caption, fontsize=10)
     for side in ("top", "right"):
@@ -370,29 +379,9 @@ def draw_expert_imbalance(runs: dict[str, Sequence[dict[str, float]]], caption: 
     """Per rank, emulated expert compute (busy) and the wait for the combine, one group of
     bars per case: ``runs[case][rank]`` has ``"busy"`` and ``"total"`` seconds
     (:func:`parlib.experiments.experts.emulated_step`). Returns the axes."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.5, 2.4 + 0.3 * sum(len(r) for r in runs.values())))
-    labels, ticks, y = [], [], 0.0
-    for case, ranks in runs.items():
-        for rank, r in enumerate(ranks):
-            ticks.append(y)
-            busy, rest = r["busy"] * 1e3, max(r["total"] - r["busy"], 0.0) * 1e3
-            ax.barh(y, busy, color=COLORS["forward"])
-            ax.barh(y, rest, left=busy, color=COLORS["idle"], edgecolor=COLORS["theory"],
-                    linewidth=0.3)
-            labels.append(f"{case}, rank {rank}")
-            y += 1
-        y += 0.5
-    ax.set_yticks(ticks, labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms (dispatch, experts, combine of one MoE layer)")
-    ax.legend(handles=[Patch(color=COLORS["forward"], label="experts (emulated)"),
-                       Patch(color=COLORS["idle"], label="all-to-all and waiting")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, fontsize=8,
-              frameon=False)
+    ax = _busy_and_waiting(runs, "ms (dispatch, experts, combine of one MoE layer)",
+                           ("experts (emulated)", "all-to-all and waiting"), ax,
+                           loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     _tidy(ax, caption)
     return ax
 
