@@ -397,6 +397,10 @@ def run_schedule(
                 if not st.is_first:
                     send(x.grad, st.prev_rank, op, (st.rank - 1) // p_ranks)
                 continue
+            # Split: B follows only the path to the input (autograd skips the weights'
+            # products) and keeps the graph for W, which walks it again to the weights and
+            # so redoes B's input-gradient products of all but the first layer; a per-layer
+            # dgrad/wgrad split (stashing each layer's output gradient) would not.
             out, x = outputs.pop(key), inputs[key]
             with hooks.compute_op(op, rows):
                 # the first stage's input is tokens: no gradient to compute or send

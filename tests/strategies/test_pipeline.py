@@ -58,7 +58,7 @@ def test_saved_bytes_peak_and_release():
     assert tracker.live == 0
 
 
-def test_run_schedule_rejects_interleaved_ops():
+def test_run_schedule_needs_chunks_for_interleaved_ops():
     stage = pipeline.Stage(build_model(CFG, 0), 0, 1)
     tokens, targets = make_batch(4, CFG, 0, 0)
     with pytest.raises(ValueError, match="one chunk"):

@@ -263,3 +263,14 @@ def test_forward_before_backward_holds_for_every_rank_in_random_schedules():
             assert len(set(ops)) == len(ops) == 3 * (3 if split else 2)
             assert all(ops.index(F(op.mb)) < i for i, op in enumerate(ops)
                        if op.kind != FORWARD)
+
+
+def test_validator_is_pure_python():
+    import subprocess
+    import sys
+
+    code = ("import sys, parlib.strategies.schedule_check; "
+            "print('torch' in sys.modules, 'numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "False"]
