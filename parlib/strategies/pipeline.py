@@ -309,6 +309,9 @@ def run_schedule(
     for i, op in enumerate(ops):
         if op.kind not in (FORWARD, BACKWARD, WEIGHT):
             raise ValueError(f"op {i} ({op!r}): unknown op kind {op.kind!r}")
+        if not 0 <= op.mb < m:
+            raise ValueError(f"op {i} ({op!r}): microbatch {op.mb} is not one of 0..{m - 1} "
+                             f"(m={m})")
         if not 0 <= op.chunk < v:
             raise ValueError(
                 f"op {i} ({op!r}) runs chunk {op.chunk}, but this rank has {v} chunk(s)"

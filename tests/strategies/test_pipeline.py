@@ -63,6 +63,8 @@ def test_run_schedule_needs_chunks_for_interleaved_ops():
     tokens, targets = make_batch(4, CFG, 0, 0)
     with pytest.raises(ValueError, match="one chunk"):
         pipeline.run_schedule(stage, S.interleaved(1, 2, 0, v=2), tokens, targets, 2)
+    with pytest.raises(ValueError, match="microbatch 4 is not one of 0..3"):
+        pipeline.run_schedule(stage, [S.F(4), S.B(4)], tokens, targets, 4)
 
 
 def test_single_rank_schedule_equals_reference():
