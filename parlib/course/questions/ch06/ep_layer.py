@@ -203,20 +203,24 @@ def _arrivals(seen: dict[int, list[torch.Tensor]], s: dict[str, Any], ref: dict[
     every = Counter({pair: n for pair, n in ref["every"].items() if pair[1] in ref["mine"]})
     if got == want:
         return None
-    detail = f"{got.total()} rows, where {want.total()} should come"
     if s["capacity"] is not None and got == every:
-        return ("capacity_ignored", detail)
+        return ("capacity_ignored", f"{got.total()} rows, where {want.total()} should come")
     if s["capacity"] is not None and not got - every and got.total() == want.total():
-        return ("wrong_drops", detail)
-    return ("not_grouped", detail)
+        return ("wrong_drops", "")
+    return ("not_grouped", f"they computed {got.total()} rows, {(got - want).total()} of "
+                           f"them not theirs or twice, and {(want - got).total()} of the "
+                           f"{want.total()} that chose them never came")
 
 
-def _grad_problem(got: Any, want: torch.Tensor, what: str) -> tuple[str, str] | None:
+def _grad_problem(got: Any, want: torch.Tensor, kind: str, what: str
+                  ) -> tuple[str, str] | None:
+    """(kind, a sentence about ``what``'s gradient), or None when it is right."""
     if got is None:
-        return (what, "got no gradient")
+        return (kind, f"{what} got no gradient")
     if not close(got, want):
         diff = (got - want).abs().max().item()
-        return (what, f"differs from the single-device layer's (max |difference| {diff:.3g})")
+        return (kind, f"the gradient of {what} differs from the single-device layer's (max "
+                      f"|difference| {diff:.3g})")
     return None
 
 
@@ -286,13 +290,13 @@ def _problem(got: Any, out: Any, watch: dict[str, Any], seen: dict[int, list[tor
         return ("no_autograd", "")
     for e in ref["mine"]:
         for name, p in moe.experts[e].named_parameters():
-            found = _grad_problem(p.grad, ref["expert_grads"][e][name], "expert_gradient")
+            found = _grad_problem(p.grad, ref["expert_grads"][e][name], "expert_gradient",
+                                  f"expert {e}'s {name}")
             if found:
-                return (found[0], f"expert {e}'s {name} {found[1]}")
-    found = _grad_problem(moe.router.weight.grad, ref["router_grad"], "router_gradient")
-    if found:
-        return found
-    return _grad_problem(x.grad, ref["x_grad"], "x_gradient")
+                return found
+    found = _grad_problem(moe.router.weight.grad, ref["router_grad"], "router_gradient",
+                          "the router's weight")
+    return found or _grad_problem(x.grad, ref["x_grad"], "x_gradient", "x")
 
 
 def _layer_rank(fn: Callable, phases: tuple[tuple[str, float | None], ...]) -> list[dict]:
@@ -352,8 +356,7 @@ def _hint(text: str | Callable[[Case], str]) -> Callable[[Case], str]:
 
 
 def _ignores_group(c: Case) -> str:
-    detail = _detail(c)
-    what = f"{_what(c)}: {detail}" if detail else _what(c)
+    what = _detail(c) or "its numbers differ from the single-device layer's"
     return (f"right when the group is the whole world, but wrong in a sub-group ({what}). "
             "Take ep and this rank's place from the group (dist.get_world_size(group)) and "
             "pass group=group to every collective: the world is not the group")
@@ -425,12 +428,12 @@ DIAGNOSES = (
         f"the graph (no .detach() or torch.no_grad()), and come back through an all-to-all "
         f"whose backward returns each row's gradient to the expert that computed it")),
     Diagnosis("router_gradient", _is("router_gradient"), _hint(
-        lambda c: f"the output is right, but the router's gradient {_detail(c)}: the router "
+        lambda c: f"the output is right, but {_detail(c)}: the router "
         f"learns through the weights that scale the returned rows, so keep weights[token, "
         f"choice] in the graph (no .detach(), no .tolist())")),
     Diagnosis("x_gradient", _is("x_gradient"), _hint(
-        lambda c: f"the output, the experts' and the router's gradients are right, but the "
-        f"tokens' gradient {_detail(c)}: it flows back through the experts and the "
+        lambda c: f"the output, the experts' and the router's gradients are right, but "
+        f"{_detail(c)}: the tokens' gradient flows back through the experts and the "
         f"all-to-all to the rows you sent, so send x[token] itself (no .detach()) through "
         f"an all-to-all that carries gradients")),
 )
