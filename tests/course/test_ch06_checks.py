@@ -295,7 +295,7 @@ LAYER_MUTANTS = {
                                 "got no gradient", "expert_gradient"),
     "detaches_router_weights": (_layer("weights[token, choice][:, None]",
                                        "weights[token, choice].detach()[:, None]"),
-                                "the router's gradient", "router_gradient"),
+                                "the router learns through the weights", "router_gradient"),
     "detaches_sent_rows": (_layer("all_to_all(x[token[order]],",
                                   "all_to_all(x[token[order]].detach(),"),
                            "the tokens' gradient", "x_gradient"),
