@@ -204,7 +204,7 @@ def _check_layer(src: str, prelude: str = EP_PRELUDE):
 def test_expert_parallel_layer_settings_drop_choices_and_tell_the_orders_apart():
     # in every group of every launch, the capacity setting must drop choices, and dropping
     # token-major must drop other ones on some rank
-    for ep, index in ((2, 0), (4, 0), (2, 1)):
+    for ep, index in ((2, 0), (4, 0), (2, 1), (2, 2)):
         s = _setting(index, ep, FACTOR)
         keeps, token_major = [], []
         for part in s["x"].split(TOKENS):
@@ -232,6 +232,16 @@ def test_expert_parallel_layer_accepts_torch_functional_all_to_all():
         "        warnings.simplefilter('ignore', FutureWarning)\n"
         "        return dnf.all_to_all_single(out, rows, recv, send, group=group)\n")
     r = _check_layer(EP_LAYER_SOLUTION, prelude)
+    assert r.passed, r
+
+
+def test_expert_parallel_layer_accepts_experts_run_on_more_rows_than_theirs():
+    # wasteful but right: every local expert on every arrived row, its own rows kept
+    src = _layer("        rows = torch.nonzero(local == i).squeeze(1)\n"
+                 "        computed = computed.index_copy(0, rows, module(arrived[rows]))\n",
+                 "        computed = torch.where((local == i)[:, None], module(arrived), "
+                 "computed)\n")
+    r = _check_layer(src)
     assert r.passed, r
 
 
@@ -278,6 +288,10 @@ LAYER_MUTANTS = {
     "unsorted_rows": (
         _layer("order = torch.argsort(expert, stable=True)", "order = torch.arange(len(expert))"),
         "sort the kept choices by expert", "not_grouped"),
+    "arrivals_taken_as_sorted_by_expert": (
+        _layer("torch.arange(len(local_experts)).repeat(ep).repeat_interleave(incoming.view(-1))",
+               "torch.arange(len(local_experts)).repeat_interleave(incoming.sum(0))"),
+        "each sender's rows come sorted by expert", "not_grouped"),
     "forgets_router_weight": (_layer("back * weights[token, choice][:, None]", "back"),
                               "without the router's weight", "forgot_router_weight"),
     "combines_in_sent_order": (_layer("    back[order] = returned", "    back = returned"),

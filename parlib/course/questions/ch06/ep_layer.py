@@ -231,7 +231,7 @@ def _phase(fn: Callable, layout: str, factor: float | None) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     if layout == "pairs":
         groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank, each
-        index, group = rank // 2, groups[rank // 2]
+        index, group = 1 + rank // 2, groups[rank // 2]  # data of its own, not the world's
     else:
         index, group = 0, dist.group.WORLD
     ep, me = dist.get_world_size(group), dist.get_rank(group)
@@ -265,22 +265,22 @@ def _phase(fn: Callable, layout: str, factor: float | None) -> dict[str, Any]:
             raise
         report["problem"] = ("error", f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         return report
-    report["problem"] = _problem(got, out, watch, seen, s, ref, moe, x, me)
+    report["problem"] = _problem(got, out, watch, s, ref, moe, x, me)
+    if out is not None and not watch["plain"]:  # what this rank's experts computed
+        report["rows"] = _arrivals(seen, s, ref)
     return report
 
 
-def _problem(got: Any, out: Any, watch: dict[str, Any], seen: dict[int, list[torch.Tensor]],
-             s: dict[str, Any], ref: dict[str, Any], moe: MoE, x: torch.Tensor, me: int
+def _problem(got: Any, out: Any, watch: dict[str, Any], s: dict[str, Any],
+             ref: dict[str, Any], moe: MoE, x: torch.Tensor, me: int
              ) -> tuple[str, str] | None:
+    """What is wrong with this rank's output and gradients (None: nothing)."""
     if watch["plain"]:
         return ("plain_all_to_all", "")
     if out is None:
         return ("not_output", f"a {type(got).__name__}, not a tensor")
     if out.shape != ref["out"].shape:
         return ("not_output", f"shape {tuple(out.shape)}")
-    arrivals = _arrivals(seen, s, ref)
-    if arrivals is not None:
-        return arrivals
     if not close(out, ref["out"]):
         for name, candidate in _candidates(s, me).items():
             if close(out, candidate):
@@ -309,33 +309,42 @@ def _layer_rank(fn: Callable, phases: tuple[tuple[str, float | None], ...]) -> l
 
 
 # the problems a rank can show, cause first: a rank's output is wrong when another rank's
-# expert received the wrong rows, so the rows are judged on every rank before any output
+# expert received the wrong rows, so once an output is wrong the rows each rank's experts
+# computed are judged first (only then: a right answer may run an expert on more rows)
 _ORDER = ("counts_by_expert", "split_lengths", "receive_counts", "error", "plain_all_to_all",
           "not_output", "rows_not_tokens", "capacity_ignored", "wrong_drops", "not_grouped",
           "unweighted", "sent_order", "permuted_again", "wrong_output", "no_autograd",
           "expert_gradient", "router_gradient", "x_gradient")
+_OUTPUTS = ("unweighted", "sent_order", "permuted_again", "wrong_output")
 
 
-def _first_wrong(case: Case) -> tuple[int, int] | None:
-    """(rank, phase): the first phase with a problem, and the rank with its first cause."""
+def _first_wrong(case: Case) -> tuple[int, tuple[int, str]] | None:
+    """(rank, (phase, "problem" or "rows")): the first phase with a problem, and the rank
+    and report entry with its first cause."""
     for phase in range(len(case.results[0])):
-        wrong = [(_ORDER.index(phases[phase]["problem"][0]), rank)
-                 for rank, phases in enumerate(case.results) if phases[phase]["problem"]]
-        if wrong:
-            return min(wrong)[1], phase
+        reports = [phases[phase] for phases in case.results]
+        if not any(rep["problem"] for rep in reports):
+            continue
+        # an output is wrong: did every expert compute the right rows?
+        keys = ("problem", "rows") if any(
+            rep["problem"] and rep["problem"][0] in _OUTPUTS for rep in reports) else ("problem",)
+        wrong = [(_ORDER.index(rep[key][0]), rank, key) for rank, rep in enumerate(reports)
+                 for key in keys if rep.get(key)]
+        _, rank, key = min(wrong)
+        return rank, (phase, key)
     return None
 
 
 def _report(c: Case) -> dict[str, Any]:
-    return c.report[c.step]
+    return c.report[c.step[0]]
 
 
 def _what(c: Case) -> str:
-    return _report(c)["problem"][0]
+    return _report(c)[c.step[1]][0]
 
 
 def _detail(c: Case) -> str:
-    return _report(c)["problem"][1]
+    return _report(c)[c.step[1]][1]
 
 
 def _is(*kinds: str) -> Callable[[Case], bool]:
