@@ -65,8 +65,9 @@ def expert_parallel_layer(x, experts, weights, local_experts, n_experts, capacit
 
 
 class Refused(Exception):
-    """Raised on every rank of the group, before the exchange, when the split sizes of an
-    all-to-all cannot be sent: ``(problem, detail)``."""
+    """Raised before an all-to-all whose split sizes cannot be sent: ``(problem,
+    detail)``. Sends that do not match what their receivers expect are refused on every
+    rank of the group (each sees every rank's sizes), so none is left waiting."""
 
 
 # --------------------------------------------------------------------------- on the ranks
@@ -483,11 +484,11 @@ QUESTION = register(RankExercise(
         the router (through the weights).
     """,
     explanation="""
-        Four steps on each rank. The capacity cut and the sort are 06.dispatch's: keep
-        the choices an expert accepts (choice-major), sort the kept (token, choice) pairs
-        by expert with a stable argsort (`order`); rank r's experts are contiguous, so
-        this also groups the rows by destination, and per_expert.view(ep, -1).sum(1) are
-        the send counts.
+        Three steps on each rank, then backward. The capacity cut and the sort are
+        06.dispatch's (question 5): keep the choices an expert accepts (choice-major),
+        sort the kept (token, choice) pairs by expert with a stable argsort (`order`);
+        rank r's experts are contiguous, so this also groups the rows by destination,
+        and per_expert.view(ep, -1).sum(1) are the send counts.
 
         A rank cannot know from its own tokens what the others will send it, so the
         per-expert counts are swapped first with a plain all-to-all (integers, nothing to
