@@ -8,9 +8,11 @@ import pytest
 
 from parlib.cost.experts import ep_all_to_all_bytes_per_layer, moe_params_per_rank, tokens_dropped
 from parlib.course.check import check
-from parlib.course.questions.ch06 import DISPATCH_SOLUTION
+from parlib.course.questions.ch06 import DISPATCH_SOLUTION, EP_LAYER_SOLUTION
 from parlib.course.questions.ch06.dispatch import CASES, _case
+from parlib.course.questions.ch06.ep_layer import FACTOR, PHASES, TOKENS, _setting
 from parlib.course.registry import questions
+from parlib.model import route
 from tests.helpers.learner_code import learner
 
 pytestmark = pytest.mark.usefixtures("clean_checks")
@@ -27,8 +29,8 @@ def _dispatch(old: str, new: str) -> str:
 
 def test_ch06_questions_registered():
     ids = set(questions("06"))
-    assert {"06.dispatch", "06.params_per_rank", "06.all_to_all_bytes", "06.tokens_dropped",
-            "06.why_no_tp"} <= ids
+    assert {"06.dispatch", "06.expert_parallel_layer", "06.params_per_rank",
+            "06.all_to_all_bytes", "06.tokens_dropped", "06.why_no_tp"} <= ids
     for q in questions("06").values():
         assert q.working and q.prompt
 
@@ -184,3 +186,159 @@ def test_dispatch_rejects_mutant_with_its_diagnosis(mutant):
 def test_every_dispatch_diagnosis_has_a_wrong_answer_that_reaches_it():
     reached = {diagnosis for _, _, diagnosis in DISPATCH_MUTANTS.values()}
     assert sorted(reached) == sorted(questions("06")["06.dispatch"].diagnosis_names())
+
+
+# --------------------------------------------------------------------------- on ranks
+
+EP_PRELUDE = "from parlib.strategies.experts import all_to_all\n"
+
+
+def _layer(old: str, new: str) -> str:
+    return _mutant(EP_LAYER_SOLUTION, old, new)
+
+
+def _check_layer(src: str, prelude: str = EP_PRELUDE):
+    return check("06.expert_parallel_layer", learner(src, "expert_parallel_layer", prelude))
+
+
+def test_expert_parallel_layer_settings_drop_choices_and_tell_the_orders_apart():
+    # in every group of every launch, the capacity setting must drop choices, and dropping
+    # token-major must drop other ones on some rank
+    for ep, index in ((2, 0), (4, 0), (2, 1), (2, 2)):
+        s = _setting(index, ep, FACTOR)
+        keeps, token_major = [], []
+        for part in s["x"].split(TOKENS):
+            r = route(part, s["moe"].router, 2, FACTOR)
+            keeps.append(r.keep.reshape(-1).tolist())
+            token_major.append(_token_major_keep(r.experts, s["capacity"]))
+        assert not all(all(k) for k in keeps), (ep, index)
+        assert keeps != token_major, (ep, index)
+    assert [p for p, _ in PHASES[4]] == ["world", "world", "pairs", "pairs"]
+
+
+def test_expert_parallel_layer_accepts_worked_answer():
+    r = _check_layer(EP_LAYER_SOLUTION)
+    assert r.passed, r
+
+
+def test_expert_parallel_layer_accepts_torch_functional_all_to_all():
+    # torch's differentiable all_to_all_single (deprecated, but it carries gradients)
+    prelude = (
+        "import warnings\n"
+        "import torch.distributed.nn.functional as dnf\n"
+        "def all_to_all(rows, send, recv, group):\n"
+        "    out = rows.new_empty((sum(recv), rows.shape[1]))\n"
+        "    with warnings.catch_warnings():\n"
+        "        warnings.simplefilter('ignore', FutureWarning)\n"
+        "        return dnf.all_to_all_single(out, rows, recv, send, group=group)\n")
+    r = _check_layer(EP_LAYER_SOLUTION, prelude)
+    assert r.passed, r
+
+
+def test_expert_parallel_layer_accepts_experts_run_on_more_rows_than_theirs():
+    # wasteful but right: every local expert on every arrived row, its own rows kept
+    src = _layer("        rows = torch.nonzero(local == i).squeeze(1)\n"
+                 "        computed = computed.index_copy(0, rows, module(arrived[rows]))\n",
+                 "        computed = torch.where((local == i)[:, None], module(arrived), "
+                 "computed)\n")
+    r = _check_layer(src)
+    assert r.passed, r
+
+
+PLAIN_SEND = ("    arrived = x.new_empty((sum(recv), x.shape[1]))\n"
+              "    dist.all_to_all_single(arrived, x[token[order]], recv, send, group=group)\n")
+
+# wrong answer -> (its source, words of its hint, the diagnosis it must reach)
+LAYER_MUTANTS = {
+    "world_size_not_group_size": (
+        _layer("    ep = dist.get_world_size(group)", "    ep = dist.get_world_size()"),
+        "wrong in a sub-group", "ignores_group"),
+    "collectives_on_the_world": (
+        _layer("    ep = dist.get_world_size(group)\n",
+               "    group = dist.group.WORLD  # the world, whatever the caller's group\n"
+               "    ep = dist.get_world_size(group)\n"),
+        "two ep groups of 2", "ignores_group"),
+    "plain_all_to_all": (
+        _layer("    arrived = all_to_all(x[token[order]], send, recv, group)"
+               "  # by sender, then by expert\n", PLAIN_SEND),
+        "autograd cannot see through it", "plain_all_to_all"),
+    "counts_by_expert": (
+        _layer("send = per_expert.view(ep, -1).sum(1).tolist()", "send = per_expert.tolist()"),
+        "one count per rank", "counts_by_expert"),
+    "hard_codes_two_ranks": (
+        _layer("per_expert.view(ep, -1).sum(1)", "per_expert.view(2, -1).sum(1)"),
+        "ep = 4 (the whole world)", "split_lengths"),
+    "receives_what_it_sends": (
+        _layer("    recv = incoming.sum(1).tolist()", "    recv = send"),
+        "swap the per-expert counts first", "receive_counts_wrong"),
+    "returns_per_choice_rows": (
+        _layer("    out = torch.zeros_like(x)\n    return out.index_add(0, token, back * "
+               "weights[token, choice][:, None])",
+               "    return back * weights[token, choice][:, None]"),
+        "shaped like x", "not_output"),
+    "scales_before_the_expert": (
+        _layer("all_to_all(x[token[order]],",
+               "all_to_all(x[token[order]] * weights[token[order], choice[order], None],"),
+        "not tokens of the group", "rows_not_tokens"),
+    "ignores_capacity": (_layer("    if capacity is not None:", "    if False:"),
+                         "received every choice", "capacity_ignored"),
+    "drops_token_major": (
+        _layer(CHOICE_MAJOR, "        for t in range(T):\n            for j in range(k):"),
+        "choice-major", "wrong_tokens_dropped"),
+    "unsorted_rows": (
+        _layer("order = torch.argsort(expert, stable=True)", "order = torch.arange(len(expert))"),
+        "sort the kept choices by expert", "not_grouped"),
+    "arrivals_taken_as_sorted_by_expert": (
+        _layer("torch.arange(len(local_experts)).repeat(ep).repeat_interleave(incoming.view(-1))",
+               "torch.arange(len(local_experts)).repeat_interleave(incoming.sum(0))"),
+        "each sender's rows come sorted by expert", "not_grouped"),
+    "forgets_router_weight": (_layer("back * weights[token, choice][:, None]", "back"),
+                              "without the router's weight", "forgot_router_weight"),
+    "combines_in_sent_order": (_layer("    back[order] = returned", "    back = returned"),
+                               "undo that permutation", "wrong_combine_order"),
+    "permutes_again": (_layer("    back[order] = returned", "    back = returned[order]"),
+                       "its inverse", "wrong_combine_order"),
+    "adds_the_residual": (_layer("    return out.index_add(", "    return x + out.index_add("),
+                          "the block adds the residual", "wrong_output"),
+    "no_autograd": (_layer("    return out.index_add(0, token, back * weights[token, choice]"
+                           "[:, None])",
+                           "    return out.index_add(0, token, back * weights[token, choice]"
+                           "[:, None]).detach()"),
+                    "does not require grad", "no_autograd"),
+    "detaches_expert_outputs": (_layer("module(arrived[rows])", "module(arrived[rows]).detach()"),
+                                "got no gradient", "expert_gradient"),
+    "detaches_router_weights": (_layer("weights[token, choice][:, None]",
+                                       "weights[token, choice].detach()[:, None]"),
+                                "the router learns through the weights", "router_gradient"),
+    "detaches_sent_rows": (_layer("all_to_all(x[token[order]],",
+                                  "all_to_all(x[token[order]].detach(),"),
+                           "the tokens' gradient", "x_gradient"),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(LAYER_MUTANTS))
+def test_expert_parallel_layer_rejects_mutant_with_its_diagnosis(mutant):
+    src, hint, diagnosis = LAYER_MUTANTS[mutant]
+    r = _check_layer(src)
+    assert r.status == "failed", r
+    assert hint in r.message, r.message
+    assert r.diagnosis == diagnosis, (r.diagnosis, r.message)
+
+
+def test_every_layer_diagnosis_has_a_wrong_answer_that_reaches_it():
+    reached = {diagnosis for _, _, diagnosis in LAYER_MUTANTS.values()}
+    reached.add("hang")  # test_expert_parallel_layer_names_collectives_that_do_not_match
+    assert sorted(reached) == sorted(questions("06")["06.expert_parallel_layer"].diagnosis_names())
+
+
+def test_expert_parallel_layer_names_collectives_that_do_not_match():
+    # rank 0 swaps the counts once more, alone: the others wait in the next all-to-all
+    src = _layer("    out = torch.zeros_like(x)\n",
+                 "    if dist.get_rank(group) == 0:\n"
+                 "        dist.all_to_all_single(incoming.view(-1).clone(), per_expert, "
+                 "group=group)\n"
+                 "    out = torch.zeros_like(x)\n")
+    r = check("06.expert_parallel_layer",
+              learner(src, "expert_parallel_layer", EP_PRELUDE), timeout=10)
+    assert r.status == "failed" and r.diagnosis == "hang", r
+    assert "same all-to-alls in the same order" in r.message, r.message
