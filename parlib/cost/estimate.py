@@ -62,6 +62,7 @@ What the model assumes, in one place:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from parlib.cost.collectives import collective_time, message_time, predicted_sent_bytes
 from parlib.cost.context import LSE_BYTES, kv_block_bytes, ring_attention_sent_bytes_per_layer
@@ -275,8 +276,10 @@ def check_inputs(model: Model, hardware: Hardware) -> None:
 
 def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
-              mixed_precision: bool, dp_overlap: bool = True) -> Estimate:
-    """The estimate, inputs already checked (the planner calls this directly)."""
+              mixed_precision: bool, dp_overlap: bool = True,
+              only_if_fits: bool = False) -> Estimate | None:
+    """The estimate, inputs already checked (the planner calls this directly, with
+    ``only_if_fits``: None, before any time is worked out, when the memory does not fit)."""
     s, h, L = model.seq_len, model.d_model, model.n_layers
     d, t, p, c = layout.dp, layout.tp, layout.pp, layout.cp
     n = hardware.n_devices
@@ -285,9 +288,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     act_bytes = 2 if mixed_precision else 4
     full = recompute is True
     e = layout.ep
-    spans = {k: layout.span(k) for k in layout}
-    if e > 1:
-        spans["ep"] = layout.span("ep")
+    spans = _spans(layout)
     links = {k: hardware.link_for(span) for k, span in spans.items()}
     # a layer's weights: the dense part (attention, norms, router) on every ep rank; the
     # experts split e ways, their copies d x c / e
@@ -295,7 +296,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     expert_layer = model.layer_expert_params / e
 
     # ---- memory of the first, the last and the fullest middle stages; keep the largest
-    per_stage = stage_layers(L, p)
+    per_stage = _stage_layers(L, p)
     slowest = max(per_stage)
     tied_copy = model.vocab_size * h if model.tied_embeddings and p > 1 else 0
     if p == 1:
@@ -345,8 +346,10 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         states["pipeline_in_flight"] = (held - layers) * per_layer
         candidates.append((sum(states.values()), stage, (params / t, layers * expert_layer / t),
                            {k: states[k] for k in MEMORY_PARTS}))
-    _, stage, (params_per_device, experts_per_device), memory = max(candidates,
-                                                                     key=lambda c: c[0])
+    total, stage, (params_per_device, experts_per_device), memory = max(candidates,
+                                                                         key=lambda c: c[0])
+    if only_if_fits and total > hardware.memory_bytes:
+        return None
 
     # ---- FLOPs and compute time
     tokens = global_batch * s
@@ -467,7 +470,21 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                    links=_links(hardware, layout, spans),
                    stage=stage,
                    model_flops=model_flops, hardware_flops=hardware_flops,
-                   stage_layers=per_stage)
+                   stage_layers=list(per_stage))
+
+
+@lru_cache(maxsize=4096)
+def _spans(layout: Layout) -> dict[str, int]:
+    """Consecutive ranks a group of each axis spans (ep's only where it splits)."""
+    spans = {k: layout.span(k) for k in layout}
+    if layout.ep > 1:
+        spans["ep"] = layout.span("ep")
+    return spans
+
+
+@lru_cache(maxsize=1024)
+def _stage_layers(n_layers: int, p: int) -> tuple[int, ...]:
+    return tuple(stage_layers(n_layers, p))
 
 
 def _links(hardware: Hardware, layout: Layout, spans: dict[str, int]) -> dict[str, str]:

@@ -104,8 +104,8 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
         for recompute in RECOMPUTE:
             for zero in _zero_stages(layout):
                 est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
-                                sequence_parallel, mixed_precision)
-                if not est.fits:
+                                sequence_parallel, mixed_precision, only_if_fits=True)
+                if est is None:
                     continue
                 if zero == 0 and recompute is False:
                     plain_fits.add(layout)
