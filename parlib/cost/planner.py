@@ -88,6 +88,13 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
     """The ``top`` fastest layouts that fit, fastest first, each with ``.reason``: one
     :class:`Estimate` per layout, at its best setting.
 
+    Searched: t, p (uneven stages included), c, d, e (mixtures of experts only), m (so the
+    microbatch size, global_batch / (d x m)), v, ZeRO 0-3 (0-2 with a pipeline) and
+    recomputation (none, selective, full). Inputs, not searched: ``mixed_precision`` (the
+    cost model has one compute rate, the training dtype's, so fp32 would only look bigger,
+    never faster) and ``sequence_parallel``. The picks' ``binding`` names what limits each
+    (:func:`binding_constraint`), and their reason ends with it.
+
     An empty list means no valid layout fits, not even with ZeRO-3 and full recomputation
     (or that no d divides the global batch).
     """

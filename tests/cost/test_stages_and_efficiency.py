@@ -130,3 +130,20 @@ def test_the_planner_names_the_binding_constraint():
     assert binding_constraint(est) == (
         f"the data-parallel link (inter-node) ({est.time['dp_sync'] / est.step_time:.0%} "
         "of the step)")
+
+
+def test_mfu_counts_the_model_and_hfu_the_recomputation_too():
+    # TOY: a token multiplies 4 layers x 768 weights + the output 16 x 8 = 128: 3200; its
+    # forward is 2 x 3200 + attention 4 x s x h x L = 512: 6912; training 3 x that = 20736
+    assert TOY.flops_per_token == 3 * (2 * (4 * 768 + 128) + 512) == 20736
+    kw = dict(m=1, global_batch=4, mixed_precision=False)
+    none = estimate(TOY, TOY_HW, Layout(dp=4), **kw)
+    selective = estimate(TOY, TOY_HW, Layout(dp=4), recompute="selective", **kw)
+    full = estimate(TOY, TOY_HW, Layout(dp=4), recompute=True, **kw)
+    assert none.hfu == none.mfu
+    # selective reruns the scores' 512 FLOPs a token: HFU / MFU = 21248 / 20736
+    assert selective.hfu / selective.mfu == pytest.approx(21248 / 20736)
+    # full reruns the layers' forward, 2 x 4 x 768 + 512 = 6656: 27392 / 20736
+    assert full.hfu / full.mfu == pytest.approx(27392 / 20736)
+    # MFU: model FLOPs (20736 x 16 tokens) over step x 4 devices x 1 GFLOP/s peak
+    assert none.mfu == pytest.approx(20736 * 16 / (none.step_time * 4 * 1e9))
