@@ -147,3 +147,17 @@ def test_mfu_counts_the_model_and_hfu_the_recomputation_too():
     assert full.hfu / full.mfu == pytest.approx(27392 / 20736)
     # MFU: model FLOPs (20736 x 16 tokens) over step x 4 devices x 1 GFLOP/s peak
     assert none.mfu == pytest.approx(20736 * 16 / (none.step_time * 4 * 1e9))
+
+
+def test_every_uneven_layout_the_planner_tries_is_one_estimate_accepts():
+    # 126 layers (Llama 3 405B's count) on 16 devices: p = 16 does not divide 126
+    model = Model(126, 256, 8, 256, 1000, gated_mlp=True, bias=False)
+    hw = Hardware.dgx_h100(16)
+    tried = list(candidate_layouts(model, hw, 32))
+    assert any(lay.pp == 16 for lay, _, _ in tried)
+    assert all(v == 1 for lay, _, v in tried if 126 % lay.pp)
+    for layout, m, v in tried:
+        est = estimate(model, hw, layout, m=m, v=v, global_batch=32)
+        assert sum(est.stage_layers) == 126 and len(est.stage_layers) == layout.pp
+    est = estimate(model, hw, Layout(pp=16), m=32, global_batch=32)
+    assert est.stage_layers == [7] + [8] * 14 + [7]
