@@ -161,3 +161,16 @@ def test_every_uneven_layout_the_planner_tries_is_one_estimate_accepts():
         assert sum(est.stage_layers) == 126 and len(est.stage_layers) == layout.pp
     est = estimate(model, hw, Layout(pp=16), m=32, global_batch=32)
     assert est.stage_layers == [7] + [8] * 14 + [7]
+
+
+def test_new_hardware_fields_are_validated_and_shown():
+    fast, slow = Link(1e-6, 1e11), Link(1e-5, 1e10)
+    with pytest.raises(ValueError, match="memory_efficiency must be in"):
+        Hardware(8, 8, 80e9, 1e15, fast, slow, memory_efficiency=0)
+    with pytest.raises(ValueError, match="memory_bandwidth must be > 0"):
+        Hardware(8, 8, 80e9, 1e15, fast, slow, memory_bandwidth=-1.0)
+    plain = Hardware(8, 8, 80e9, 1e15, fast, slow)  # the old fields alone: nothing changes
+    assert plain.achievable_flops == 1e15 and math.isinf(plain.achievable_memory_bandwidth)
+    assert "achievable" not in str(plain) and "(80% achievable), memory 3.35 TB/s" in str(
+        Hardware.dgx_h100(8))
+    assert Hardware.dgx_h200(8).achievable_memory_bandwidth == pytest.approx(4.8e12 * 0.9)
