@@ -107,9 +107,9 @@ class Estimate:
     each pipeline stage; ``binding`` (set by the planner for its picks) names what limits
     the layout: "memory", "compute", "memory bandwidth", "the pipeline bubble" or a link.
     ``bytes_sent`` (per device per step) and ``links`` ("intra-node", "inter-node" or
-    "none") are keyed by axis name ("pp", "dp", "cp", "tp"). ``layout.tp`` and so on are the
-    sizes; ``m`` microbatches per step per data-parallel rank, ``v`` model chunks per
-    pipeline rank.
+    "none") are keyed by axis name ("pp", "dp", "cp", "tp", and "ep" where e > 1).
+    ``layout.tp`` and so on are the sizes; ``m`` microbatches per step per data-parallel
+    rank, ``v`` model chunks per pipeline rank.
     """
 
     model: Model = field(repr=False)
