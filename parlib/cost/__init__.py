@@ -20,6 +20,9 @@ Built on them, the choosing chapter's cost model:
 - :mod:`parlib.cost.model`: ``Model``, a transformer's parameter count and FLOPs per token.
 - :mod:`parlib.cost.hardware`: ``Hardware`` and ``Link``, presets with their sources (not
   ``parlib.Cluster``, which keeps ranks warm).
+- :mod:`parlib.cost.efficiency`: ``ACHIEVABLE``, the fraction of datasheet matmul rate and
+  memory bandwidth each device generation reaches, with sources; the presets use it.
+- :mod:`parlib.cost.stages`: layers per pipeline stage when p does not divide L.
 - :mod:`parlib.cost.estimate`: ``estimate``, memory and step time of one layout.
 - :mod:`parlib.cost.planner`: ``best_layouts``, the fastest layouts that fit, with reasons.
 - :mod:`parlib.cost.published`: published runs to hold the model against.
@@ -44,6 +47,7 @@ from parlib.cost.context import (
     ring_attention_sent_bytes_per_layer,
     ring_sends_per_layer,
 )
+from parlib.cost.efficiency import ACHIEVABLE, Achievable, achievable, achievable_fraction
 from parlib.cost.estimate import Estimate, estimate
 from parlib.cost.experts import (
     ep_all_to_all_bytes_per_layer,
@@ -62,6 +66,7 @@ from parlib.cost.memory import (
     activation_bytes_per_layer,
     adam_bytes_per_param,
     logits_bytes,
+    memory_bound_bytes_per_layer,
     model_state_bytes,
     model_state_bytes_by_kind,
     model_state_bytes_per_param,
@@ -79,8 +84,9 @@ from parlib.cost.pipeline import (
     microbatch_time,
     min_microbatches,
 )
-from parlib.cost.planner import best_layouts, candidate_layouts
+from parlib.cost.planner import best_layouts, binding_constraint, candidate_layouts
 from parlib.cost.sharded import padded_numel, zero_sent_bytes_per_step
+from parlib.cost.stages import stage_imbalance, stage_layers
 from parlib.cost.tensor import tp_message_bytes, tp_sent_bytes_per_layer
 
 __all__ = [
@@ -136,4 +142,13 @@ __all__ = [
     "load_imbalance",
     "moe_params_per_rank",
     "tokens_dropped",
+    # achievable rates, memory-bound operations, stages, the planner's binding constraint
+    "ACHIEVABLE",
+    "Achievable",
+    "achievable",
+    "achievable_fraction",
+    "memory_bound_bytes_per_layer",
+    "stage_imbalance",
+    "stage_layers",
+    "binding_constraint",
 ]
