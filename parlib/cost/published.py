@@ -147,8 +147,8 @@ def _korthikanti_row(billions: str, heads: int, hidden: int, layers: int, p: int
 # Table 4 (GPUs, TP, CP, PP, DP, sequence length, batch size per DP, tokens per batch,
 # TFLOPs per GPU, BF16 MFU) on H100 80 GB nodes of 8.
 _LLAMA = "Dubey et al. 2024 (Llama 3), Tables 3 and 4"
-_LLAMA_ASSUMED = ("128 layers, not 126, so that 16 stages divide them evenly (+1.6% params); "
-                  "microbatch 1 (batch per DP = m); v = 1, so the bubble is an upper bound; "
+_LLAMA_ASSUMED = ("126 layers in 16 stages, the first and last one layer short (the paper's "
+                  "rule); microbatch 1 (batch per DP = m); v = 1, so the bubble is an upper bound; "
                   "attention scores not stored (selective, as a fused attention kernel); "
                   "their FSDP modelled as ZeRO-2")
 _LLAMA_UNKNOWN = ("the paper's tuned pipeline schedule (interleaved, with its own number of "
@@ -156,7 +156,7 @@ _LLAMA_UNKNOWN = ("the paper's tuned pipeline schedule (interleaved, with its ow
 
 
 def _llama_405b(seq_len: int) -> Model:
-    return Model(128, 16384, 128, seq_len, 128000, ffn_dim=53248, n_kv_heads=8,
+    return Model(126, 16384, 128, seq_len, 128000, ffn_dim=53248, n_kv_heads=8,
                  gated_mlp=True, bias=False, learned_positions=False, name="Llama 3 405B")
 
 
@@ -186,7 +186,7 @@ def _llama_row(gpus: int, cp: int, dp: int, seq_len: int, batch_per_dp: int, tfl
 # Omni-Path: 4 x 100 Gb/s = 50 GB/s a node, 6.25 GB/s per GPU (a quarter of a DGX's).
 JEAN_ZAY_A100 = Hardware.dgx_a100(384, inter_node=Link(alpha=10e-6, bandwidth=6.25 * GB),
                                   name="Jean Zay A100 80GB")
-_BLOOM = Model(72, 14336, 112, 2048, 250680, tied_embeddings=True, learned_positions=False,
+_BLOOM = Model(70, 14336, 112, 2048, 250680, tied_embeddings=True, learned_positions=False,
                dropout=True, name="BLOOM 176B")
 BLOOM_RUN = PublishedRun(
     name="BLOOM 176B, 384 A100",
@@ -198,8 +198,8 @@ BLOOM_RUN = PublishedRun(
     layout=Layout(dp=8, tp=4, pp=12),
     settings=dict(m=128, global_batch=2048, zero=1, recompute=True, sequence_parallel=False),
     metric="hfu", reported=150.05 / 312, reported_tflops_per_device=150.05,
-    assumed=("72 layers, not 70: the two embedding slots that balance 12 stages of 6 counted as "
-             "layers (+2.9% FLOPs); full recomputation; ZeRO-1; 1F1B, v = 1; the Jean Zay "
+    assumed=("70 layers in 12 stages, the first and last one layer short (BigScience gave "
+             "the embeddings those slots); full recomputation; ZeRO-1; 1F1B, v = 1; the Jean Zay "
              "inter-node link at 6.25 GB/s per GPU, NVLink as a DGX's"),
     cannot_know=("the 4-link NVLink of a Jean Zay node (not a DGX's NVSwitch), and a rate read "
                  "from one benchmark iteration, not the whole run"))

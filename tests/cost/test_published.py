@@ -2,11 +2,13 @@
 
 The presets run at their generation's achievable matmul fraction (parlib.cost.efficiency),
 one number per generation, never tuned per run. The issue's target is reported / predicted
-within 0.8-1.25 for 8 of 10 runs; the model reaches 4 of 14 (with costcore's efficiency table
-at commit f5a814a): the three Megatron-LM Table 1 rows come out at 0.68-0.73, BLOOM 0.67, OPT
-0.62, torchtitan's 8B 0.73 (the model charges nothing for the memory-bound kernels), while
-Llama 3's two 16,384-GPU rows are 1.17-1.20 (the model charges v = 1's bubble, the run used
-a tuned interleaved schedule). test_agreement_does_not_regress guards that count.
+within 0.8-1.25 for 8 of 10 runs. With costcore at 80a5a3e (memory-bound ops charged, uneven
+stages) the model reaches 8 of 14, four of them at the band's edge (Megatron-LM 76.1B 0.801,
+145.6B 0.803, Korthikanti 1T 0.800, 530B 0.808); outside: Megatron-LM 1008B 0.79,
+Korthikanti 175B 0.78 and 22B 0.66, BLOOM 0.76, OPT 0.72, torchtitan 8B 0.72 (all A100:
+the model is 20-30% optimistic there), while Llama 3's 8,192-GPU row is 0.99 and its
+16,384-GPU rows 1.24 and 1.20 (v = 1's bubble charged; the run interleaved).
+test_agreement_does_not_regress guards that count.
 """
 
 import dataclasses
@@ -24,7 +26,7 @@ from parlib.cost.published import (
 )
 
 # What the model reaches today (see the module docstring); raise it when the model improves.
-RUNS_IN_BAND_AT_LEAST = 3
+RUNS_IN_BAND_AT_LEAST = 8
 # A run far outside this is a broken row or a broken model, not a modelling limit.
 SANITY_BAND = (0.45, 1.3)
 

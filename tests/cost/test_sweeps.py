@@ -1,11 +1,12 @@
 """Ranking published layout sweeps (parlib.cost.sweeps).
 
 The issue's targets are Spearman >= 0.8 and the model's pick within 5% of the measured best.
-The model misses both on BigScience's two Jean Zay sweeps (costcore commit f5a814a): Spearman
--0.01 over 17 layouts and -0.86 over 7, the pick at 0.85 of the best in each. The sweeps vary
+The model misses both on BigScience's two Jean Zay sweeps (costcore at 80a5a3e): Spearman
+0.23 over 17 layouts and -0.86 over 7, the pick at 0.85 of the best in each. The sweeps vary
 the microbatch size, and the measurements run faster with bigger microbatches (bigger
-matmuls), while the model's compute rate does not depend on the shape: it only sees the
-smaller bubble of more, smaller microbatches. The guards below are set at that level.
+matmuls), while the model's matmul rate does not depend on their shape: it sees only the
+smaller bubble of more, smaller microbatches, and picks MBS 1. The guards below are set at
+that level.
 """
 
 import dataclasses
@@ -24,9 +25,9 @@ from parlib.cost.sweeps import (
 )
 
 # Today's figures (see the docstring): regression guards, not the targets.
-CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": -0.2,
-                        "BigScience 181B, 384 A100: PP x MBS at TP 8": -0.95}
-PICK_AT_LEAST = 0.8
+CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.15,
+                        "BigScience 181B, 384 A100: PP x MBS at TP 8": -0.9}
+PICK_AT_LEAST = 0.84
 
 
 def test_ranks_average_ties():
