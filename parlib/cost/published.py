@@ -261,6 +261,44 @@ def _titan_row(size: str, layers: int, hidden: int, heads: int, ffn: int, recomp
         cannot_know=_TORCHTITAN_UNKNOWN)
 
 
+# MosaicML llm-foundry, scripts/train/benchmarking/README.md, table "H100 80GB BF16": MPT
+# models with FSDP FULL_SHARD. Columns used: model, SeqLen, # GPUs, MFU, MicroBatchSize,
+# GradAccum, GlobalBatchSize, Throughput (T/s/GPU), Activation Checkpointing, NumParams. The
+# shapes are the repository's scripts/train/yamls/pretrain/mpt-7b.yaml and mpt-30b.yaml
+# (d_model, n_heads, n_layers, vocabulary 50,368); with biases, learned positions and a tied
+# output our parameter count is the table's NumParams exactly.
+_MOSAIC = "MosaicML llm-foundry benchmarking README, 'H100 80GB BF16' table"
+_MOSAIC_UNKNOWN = ("MosaicML's cluster (its nodes and network are not DGX H100 by name), and "
+                   "what its Triton attention and unfused norms cost beside the matmuls")
+
+
+def _mosaic_row(size: str, layers: int, hidden: int, heads: int, gpus: int, micro: int,
+                accum: int, batch: int, checkpointing: bool, tokens_per_gpu: int, mfu: float,
+                n_params: int) -> PublishedRun:
+    model = Model(layers, hidden, heads, 2048, 50368, tied_embeddings=True, name=f"MPT {size}")
+    hardware = Hardware.dgx_h100(gpus)
+    # their MFU counts 6 x all parameters (embedding and positions too); ours does not
+    ours = tokens_per_gpu * model.flops_per_token / hardware.peak_flops
+    return PublishedRun(
+        name=f"MPT {size}, {gpus} H100 FSDP",
+        source=(f"{_MOSAIC}: {size}, seq 2048, {gpus} GPUs, microbatch {micro}, accum "
+                f"{accum}, global batch {batch}, AC {checkpointing}, {tokens_per_gpu} "
+                f"T/s/GPU, {mfu}% MFU as MosaicML counts it ({ours:.1%} with our FLOPs per "
+                f"token), {n_params} params"),
+        model=model,
+        hardware=hardware,
+        layout=Layout(dp=gpus),
+        # without checkpointing, the fused (Triton) attention still stores no scores: "selective"
+        settings=dict(m=accum, global_batch=batch, zero=3,
+                      recompute=True if checkpointing else "selective"),
+        metric="mfu", reported=ours, reported_tflops_per_device=None,
+        reported_tokens_per_second_per_device=tokens_per_gpu,
+        assumed=("FSDP FULL_SHARD as ZeRO-3; activation checkpointing as full recomputation, "
+                 "none as 'selective' (the fused attention stores no scores); DGX H100 nodes; "
+                 "MFU recomputed from T/s/GPU with our FLOP count"),
+        cannot_know=_MOSAIC_UNKNOWN, reported_params=round(n_params / 1e9, 1))
+
+
 MEGATRON_RUNS = (
     _megatron_row("76.1", 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
     _megatron_row("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148, 47),
@@ -283,7 +321,12 @@ TORCHTITAN_RUNS = (
 )
 # Megatron-LM's and Llama 3's rows first, in the order chapter 08 indexes them (RUNS[3] is
 # Llama 3 on 8,192 GPUs).
-RUNS = MEGATRON_RUNS + LLAMA_RUNS + KORTHIKANTI_RUNS + (BLOOM_RUN, OPT_RUN) + TORCHTITAN_RUNS
+MOSAIC_RUNS = (
+    _mosaic_row("7B", 32, 4096, 32, 8, 6, 1, 48, False, 10643, 46.44, 6658859008),
+    _mosaic_row("30B", 48, 7168, 56, 32, 14, 3, 1344, True, 2308, 43.92, 29975214080),
+)
+RUNS = (MEGATRON_RUNS + LLAMA_RUNS + KORTHIKANTI_RUNS + (BLOOM_RUN, OPT_RUN) + TORCHTITAN_RUNS
+        + MOSAIC_RUNS)
 
 
 def agreement(runs: tuple[PublishedRun, ...] = RUNS,
@@ -318,5 +361,5 @@ def caveats_table(runs: tuple[PublishedRun, ...] = RUNS) -> str:
 
 
 __all__ = ["BLOOM_RUN", "JEAN_ZAY_A100", "KORTHIKANTI_RUNS", "LLAMA_RUNS", "MEGATRON_RUNS",
-           "OPT_RUN", "RUNS", "TARGET_BAND", "TORCHTITAN_RUNS", "PublishedRun", "agreement",
-           "caveats_table", "comparison_table"]
+           "MOSAIC_RUNS", "OPT_RUN", "RUNS", "TARGET_BAND", "TORCHTITAN_RUNS", "PublishedRun",
+           "agreement", "caveats_table", "comparison_table"]

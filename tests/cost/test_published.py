@@ -3,12 +3,12 @@
 The presets run at their generation's achievable matmul fraction (parlib.cost.efficiency),
 one number per generation, never tuned per run. The issue's target is reported / predicted
 within 0.8-1.25 for 8 of 10 runs. With costcore at 80a5a3e (memory-bound ops charged, uneven
-stages) the model reaches 8 of 14, four of them at the band's edge (Megatron-LM 76.1B 0.801,
-145.6B 0.803, Korthikanti 1T 0.800, 530B 0.808); outside: Megatron-LM 1008B 0.79,
-Korthikanti 175B 0.78 and 22B 0.66, BLOOM 0.76, OPT 0.72, torchtitan 8B 0.72 (all A100:
-the model is 20-30% optimistic there), while Llama 3's 8,192-GPU row is 0.99 and its
-16,384-GPU rows 1.24 and 1.20 (v = 1's bubble charged; the run interleaved).
-test_agreement_does_not_regress guards that count.
+stages) the model reaches 9 of 16, four of them at the band's edge (Megatron-LM 76.1B 0.801,
+145.6B 0.803, Korthikanti 1T 0.800, 530B 0.808); the others in: Llama 3 on 8,192 GPUs 0.99,
+on 16,384 1.24 and 1.20 (v = 1's bubble charged; the run interleaved), torchtitan 70B 0.93,
+MPT 30B 0.83. Outside, all below: Megatron-LM 1008B 0.79, Korthikanti 175B 0.78 and 22B
+0.66, BLOOM 0.76, OPT 0.72, torchtitan 8B 0.72, MPT 7B 0.64 (the model is optimistic on
+the smaller, faster-stepping runs). test_agreement_does_not_regress guards that count.
 """
 
 import dataclasses
@@ -26,7 +26,7 @@ from parlib.cost.published import (
 )
 
 # What the model reaches today (see the module docstring); raise it when the model improves.
-RUNS_IN_BAND_AT_LEAST = 8
+RUNS_IN_BAND_AT_LEAST = 9
 # A run far outside this is a broken row or a broken model, not a modelling limit.
 SANITY_BAND = (0.45, 1.3)
 
