@@ -182,27 +182,31 @@ def _llama_row(gpus: int, cp: int, dp: int, seq_len: int, batch_per_dp: int, tfl
 # vocabulary 250,680, global batch 2048) is the paper's. The rate is the "Rebalancing layers"
 # table of bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md (02-28):
 # 176B, DP 8, TP 4, PP 12, MBS 2, 112 heads, GBS 2048, 150.05 TFLOPs (the model page says
-# "about 150 TFLOPs"). Megatron-DeepSpeed's TFLOPs count the recomputed forward: "hfu".
+# "about 150 TFLOPs"). The training script (train/tr11-176B-ml/tr11-176B-ml.slurm) has the
+# same TP 4, PP 12, MBS 2, GBS 2048, --checkpoint-activations, bf16 with DeepSpeed's ZeRO-1
+# equivalent, and --pad-vocab-size-to 250880. Megatron-DeepSpeed's TFLOPs count the
+# recomputed forward: "hfu".
 # Omni-Path: 4 x 100 Gb/s = 50 GB/s a node, 6.25 GB/s per GPU (a quarter of a DGX's).
 JEAN_ZAY_A100 = Hardware.dgx_a100(384, inter_node=Link(alpha=10e-6, bandwidth=6.25 * GB),
                                   name="Jean Zay A100 80GB")
-_BLOOM = Model(70, 14336, 112, 2048, 250680, tied_embeddings=True, learned_positions=False,
+_BLOOM = Model(70, 14336, 112, 2048, 250880, tied_embeddings=True, learned_positions=False,
                dropout=True, name="BLOOM 176B")
 BLOOM_RUN = PublishedRun(
     name="BLOOM 176B, 384 A100",
     source=("BigScience tr11-176B-ml chronicles-prequel.md, 'Rebalancing layers' (02-28): 70 "
             "layers, hidden 14336, 112 heads, DP 8, TP 4, PP 12, MBS 2, GBS 2048, 150.05 "
-            "TFLOPs; model page: 384 A100 80GB, 'about 150 TFLOPs'; shape: Le Scao et al. 2022"),
+            "TFLOPs; model page: 384 A100 80GB, 'about 150 TFLOPs'; tr11-176B-ml.slurm"),
     model=_BLOOM,
     hardware=JEAN_ZAY_A100,
     layout=Layout(dp=8, tp=4, pp=12),
     settings=dict(m=128, global_batch=2048, zero=1, recompute=True, sequence_parallel=False),
     metric="hfu", reported=150.05 / 312, reported_tflops_per_device=150.05,
     assumed=("70 layers in 12 stages, the first and last one layer short (BigScience gave "
-             "the embeddings those slots); full recomputation; ZeRO-1; 1F1B, v = 1; the Jean Zay "
-             "inter-node link at 6.25 GB/s per GPU, NVLink as a DGX's"),
-    cannot_know=("the 4-link NVLink of a Jean Zay node (not a DGX's NVSwitch), and a rate read "
-                 "from one benchmark iteration, not the whole run"))
+             "the embeddings those slots); vocabulary padded to 250,880; ZeRO-1; 1F1B, v = 1; "
+             "the Jean Zay inter-node link at 6.25 GB/s per GPU, NVLink as a DGX's"),
+    cannot_know=("the 4-link NVLink of a Jean Zay node (not a DGX's NVSwitch); a rate read "
+                 "from one benchmark iteration; the script's CUDA_LAUNCH_BLOCKING=1 (a "
+                 "workaround for hangs) serialising kernel launches"))
 
 
 # Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", Sec. 2.4: 992

@@ -140,9 +140,11 @@ JEAN_ZAY = Hardware.dgx_a100(384, inter_node=Link(alpha=10e-6, bandwidth=6.25 * 
 _BIGSCIENCE = "bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md"
 _BIGSCIENCE_PRECISION = ("Sec/it to 0.01 s, one reading (iteration 2) per layout; the table "
                          "repeats DP 8 TP 4 PP 12 MBS 2 at 110.48 s and 113.54 s: ~3% noise")
-_BIGSCIENCE_ASSUMED = ("full activation recomputation; ZeRO-1; 1F1B (v = 1); no sequence "
-                       "parallelism; vocabulary 250,680; Omni-Path at 6.25 GB/s per GPU")
-_BLOOM_181B = Model(72, 14336, 64, 2048, 250680, tied_embeddings=True,
+_BIGSCIENCE_ASSUMED = ("full activation recomputation and ZeRO-1, as the production script "
+                       "(tr11-176B-ml.slurm) has them; 1F1B (v = 1); no sequence parallelism; "
+                       "the '250k' vocabulary as the script's padded 250,880; Omni-Path at 6.25 "
+                       "GB/s per GPU")
+_BLOOM_181B = Model(72, 14336, 64, 2048, 250880, tied_embeddings=True,
                     learned_positions=False, dropout=True, name="BigScience 181B (72 x 14336)")
 
 
