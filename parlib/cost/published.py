@@ -34,7 +34,7 @@ class PublishedRun:
     teraFLOP/s) and "mfu" when it does not (Llama 3's "BF16 MFU"). ``settings`` are
     :func:`~parlib.cost.estimate.estimate`'s keyword arguments (m, global_batch, ...).
     ``reported`` is the fraction of the datasheet peak; the source's own rate comes with it
-    as TFLOP/s per device or tokens/s per device, whichever it states.
+    as TFLOP/s per device or tokens/s per device where it states one (None where not).
     """
 
     name: str
@@ -57,10 +57,6 @@ class PublishedRun:
         if not 0 < self.reported < 1:
             raise ValueError(f"{self.name}: reported must be a fraction of peak in (0, 1), "
                              f"got {self.reported!r}")
-        if self.reported_tflops_per_device is None and (
-                self.reported_tokens_per_second_per_device is None):
-            raise ValueError(f"{self.name}: give the source's own rate (TFLOP/s or tokens/s "
-                             f"per device)")
 
     def estimate(self) -> Estimate:
         return estimate(self.model, self.hardware, self.layout, **self.settings)
@@ -138,7 +134,7 @@ def _korthikanti_row(billions: str, heads: int, hidden: int, layers: int, p: int
         layout=Layout(dp=1, tp=8, pp=p),
         settings=dict(m=batch, global_batch=batch, recompute="selective",
                       sequence_parallel=True),
-        metric="mfu", reported=mfu / 100, reported_tflops_per_device=312 * mfu / 100,
+        metric="mfu", reported=mfu / 100, reported_tflops_per_device=None,
         assumed=_KORTHIKANTI_ASSUMED, cannot_know=_KORTHIKANTI_UNKNOWN)
 
 
