@@ -42,7 +42,9 @@ class Mesh:
         self._coords = self.layout.coords(self.rank)
         self._ranks: dict[str, list[int]] = {}
         self._groups: dict[str, Any] = {}
-        for name in AXIS_NAMES:
+        # ep borrows the data- and context-parallel ranks: its groups exist only when ep > 1
+        self.axes = (*AXIS_NAMES, "ep") if self.layout.ep > 1 else AXIS_NAMES
+        for name in self.axes:
             # new_group is collective: every rank creates every group, in the same order,
             # and keeps the one it belongs to.
             for members in self.layout.groups(name):
@@ -55,11 +57,16 @@ class Mesh:
         # mesh.pp is mesh.size("pp"): the axes are the layout's, so no state is kept twice
         if name in AXIS_NAMES:
             return self.layout[name]
+        if name == "ep":
+            return self.layout.ep
         raise AttributeError(f"Mesh has no attribute {name!r}")
 
     def coord(self, name: str) -> int:
         """This rank's index along axis ``name``."""
-        return self._coords[axis(name).name]
+        name = axis(name).name
+        if name not in self._coords:  # a borrowed axis (ep): the place in its group
+            return self.ranks(name).index(self.rank)
+        return self._coords[name]
 
     def group(self, name: str) -> Any:
         """The process group of axis ``name`` that contains this rank."""
@@ -71,11 +78,12 @@ class Mesh:
 
     def size(self, name: str) -> int:
         """How many ways axis ``name`` splits the work."""
-        return self.layout[axis(name).name]
+        name = axis(name).name
+        return self.layout.sizes()[name]
 
     def describe(self) -> str:
         coords = " ".join(f"{a}={i}" for a, i in self._coords.items())
-        groups = ", ".join(f"{a} group {self.ranks(a)}" for a in reversed(AXIS_NAMES))
+        groups = ", ".join(f"{a} group {self.ranks(a)}" for a in reversed(self.axes))
         return (f"rank {self.rank}: {coords} | {groups} "
                 f"(pp prev {self.pp_prev}, next {self.pp_next})")
 

@@ -19,8 +19,8 @@ def test_mesh_needs_ranks_and_one_way_to_give_the_layout():
         M.Mesh(dp=1, pp=1, tp=1)
     with pytest.raises(ValueError, match="not both"):
         M.Mesh(Layout(dp=2), tp=2)
-    with pytest.raises(ValueError, match="unknown axis 'ep'"):
-        M.Mesh(ep=2)
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        M.Mesh(xp=2)
 
 
 def _mesh_on_ranks(layouts):
@@ -60,3 +60,18 @@ def test_mesh_groups_equal_init_device_mesh():
             assert got["peers"] == layout.pipeline_neighbours(rank)
             assert got["tp_sum"] == sum(range(layout.tp))
             assert got["describe"].startswith(f"rank {rank}: pp={got['coord']['pp']} ")
+
+
+def _ep_groups():
+    mesh = M.Mesh(dp=4, ep=2)
+    return mesh.ranks("ep"), mesh.coord("ep"), mesh.size("ep"), mesh.ep, mesh.ranks("dp")
+
+
+def test_mesh_builds_the_expert_parallel_groups_it_borrows_from_dp():
+    # ep = 2 inside d = 4: the groups are the layout's (parlib.cost.Layout.groups("ep"))
+    want = Layout(dp=4, ep=2).groups("ep")
+    results = parlib.launch(_ep_groups, world_size=4, timeout=120)
+    for rank, (ranks, coord, size, ep, dp) in enumerate(results):
+        assert ranks in want and rank in ranks
+        assert coord == ranks.index(rank) and size == ep == 2
+        assert dp == [0, 1, 2, 3]
