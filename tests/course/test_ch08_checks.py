@@ -81,12 +81,15 @@ def test_seed_bubble_accepts_the_rounding_its_digits_state(answer, clean_checks)
     assert check("08.seed_bubble", answer).passed, check("08.seed_bubble", answer).message
 
 
-def test_bandwidth_bound_agrees_with_the_planner():
-    # the exercise's right answer is what the chapter's link sweep picks at 5 GB/s
-    from parlib.cost import Hardware, Link, Model, best_layouts
-    from parlib.cost.hardware import GB
+def test_bandwidth_bound_right_answer_puts_the_fewest_bytes_on_the_slow_links():
+    # C (pipeline across the nodes) against B (the data-parallel sync across them) and A
+    # (tensor parallelism across them: t = 8, one GPU per node in each group), per GPU and
+    # step, for the question's run: 512 sequences, d = 8 inside the nodes
+    from parlib.cost import Model, boundary_bytes, predicted_sent_bytes
+    from parlib.cost.tensor import tp_sent_bytes_per_layer
 
     model = Model(32, 4096, 32, 2048, 51200, name="6.7B")
-    slow = Hardware.dgx_h100(64).with_(inter_node=Link(alpha=10e-6, bandwidth=5 * GB))
-    best = best_layouts(model, slow, global_batch=512, top=1)[0]
-    assert best.layout.pp > 1 and best.layout.tp == 1 and best.layout.dp <= 8, best.name
+    pipeline = 2 * boundary_bytes(512 // 8, 2048, 4096, dtype_bytes=2)
+    sync = predicted_sent_bytes("all_reduce", 2 * model.n_params, 64)
+    tensor = model.n_layers * tp_sent_bytes_per_layer(512 // 8, 2048, 4096, 8, dtype_bytes=2)
+    assert pipeline < sync / 5 and pipeline < tensor / 5, (pipeline, sync, tensor)

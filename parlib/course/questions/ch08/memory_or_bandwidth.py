@@ -74,8 +74,9 @@ register(Choice(
     prompt="""
         GPT-3 6.7B's shape (with ZeRO-1 a copy fits on one 80 GB GPU) trains on 64 GPUs in
         8 nodes, 512 sequences of 2048 tokens per step, in bf16. NVLink inside a node is
-        fast; the links between nodes are slow, 5 GB/s per GPU. Which traffic should the
-        slow links carry? Give one letter.
+        fast; the links between nodes are slow, 5 GB/s per GPU. Each choice below puts one
+        kind of traffic on the slow links. Which puts the fewest bytes on them per step?
+        Give one letter.
     """,
     working=f"""
         **C.** Count the bytes each choice puts on the slow links per step. A data-parallel
@@ -85,9 +86,10 @@ register(Choice(
         the nodes sends only the boundary activations: with d = {_BW_D_INSIDE} inside the
         nodes each pipeline carries {_PER_PIPE} sequences, forward and back, 2 x
         {_PER_PIPE} x 2048 x 4096 x 2 bytes = {_BOUNDARY_GB:.1f} GB per step over a
-        boundary, {_SYNC_GB / _BOUNDARY_GB:.0f}x fewer, at the price of a bubble. That is
-        what the chapter's planner picks as the link slows (d = 8, p = 8 at 5 GB/s), and
-        why it splits the model further than memory forces. Tensor parallelism (A) sends
+        boundary, {_SYNC_GB / _BOUNDARY_GB:.0f}x fewer, at the price of a bubble. Fewest bytes
+        is not yet fastest: the bubble costs time too, and a tensor-parallel split inside
+        each node shrinks every GPU's share of the sync by t. The chapter's planner weighs
+        all three; which layout it picks depends on the link's speed. Tensor parallelism (A) sends
         activations in every layer, on the critical path: fine-grained traffic punishes
         slow links most. ZeRO-3 (D) sends about 1.5x data parallelism's bytes to save
         memory the run does not need. B is the rule of thumb that holds when the model is
