@@ -77,9 +77,12 @@ def test_peak_in_flight():
 
 
 def test_simulate_detects_deadlock():
-    orders = {0: [Op(BACKWARD, 0), Op(FORWARD, 0)], 1: [Op(FORWARD, 0), Op(BACKWARD, 0)]}
+    # rank 0 waits for B0's gradient, which rank 1 sends only after F1, which needs rank
+    # 0's F1, which comes after B0 on rank 0
+    orders = {0: [Op(FORWARD, 0), Op(BACKWARD, 0), Op(FORWARD, 1), Op(BACKWARD, 1)],
+              1: [Op(FORWARD, 0), Op(FORWARD, 1), Op(BACKWARD, 0), Op(BACKWARD, 1)]}
     with pytest.raises(ValueError, match="deadlock"):
-        simulate(orders, 2, 1)
+        simulate(orders, 2, 2)
 
 
 def test_simulate_comm_delay_adds_to_critical_path():
