@@ -44,17 +44,15 @@ ZB_H1_SOLUTION = """\
 def zb_h1(p, m, rank):
     warmup = min(p - 1 - rank, m)
     ops = [F(i) for i in range(warmup)]
-    for i in range(m - warmup):
-        ops += [F(warmup + i), B(i), W(i)]  # W before the next F: 1F1B's memory
-    waiting = None                          # cool-down: a W waits behind the next B
-    for i in range(m - warmup, m):
+    late = []                          # microbatches whose B ran and W has not
+    for i in range(m):
+        if warmup + i < m:
+            ops.append(F(warmup + i))
         ops.append(B(i))
-        if waiting is not None:
-            ops.append(W(waiting))
-        waiting = i
-    if waiting is not None:
-        ops.append(W(waiting))
-    return ops
+        late.append(i)
+        if len(late) > rank:           # rank r runs each W r backwards late
+            ops.append(W(late.pop(0)))
+    return ops + [W(i) for i in late]
 """
 
 
@@ -252,8 +250,8 @@ ONE_F_ONE_B_DIAGNOSES = (
 
 ONE_F_ONE_B_WORLDS = (
     World(1, ("plan",), ""),
-    World(2, ("run", 4), "run on 2 ranks, m = 4, batch 8"),
-    World(4, ("run", 8), "run on 4 ranks, m = 8, batch 8"),
+    World(2, ("run", 4), "run on 2 ranks (m = 4, batch 8), rank {rank}"),
+    World(4, ("run", 8), "run on 4 ranks (m = 8, batch 8), rank {rank}"),
 )
 
 ONE_F_ONE_B = register(RankExercise(
@@ -264,7 +262,7 @@ ONE_F_ONE_B = register(RankExercise(
     first_wrong=_first_wrong,
     diagnoses=ONE_F_ONE_B_DIAGNOSES,
     solution=ONE_F_ONE_B_SOLUTION,
-    where="{world} ranks",
+    where="",  # the plan's hints name their (p, m); the runs' worlds say where they ran
     backend=None,
     timeout=60.0,
     prompt="""
@@ -309,7 +307,8 @@ def _zb_report(fn: Callable, name: str) -> dict[str, Any]:
     if not any(op.kind == WEIGHT for ops in sched.values() for op in ops):
         return {**report, "problem": "unsplit"}
     peaks = [peak_in_flight(sched[r]) for r in range(p)]
-    want = [peak_in_flight(one_f_one_b(p, m, r)) for r in range(p)]
+    # the pipeline's memory is its fullest rank's: 1F1B's first rank, min(p, m)
+    want = [max(peak_in_flight(one_f_one_b(p, m, r)) for r in range(p))] * p
     if any(g > w for g, w in zip(peaks, want)):
         rank = next(r for r in range(p) if peaks[r] > want[r])
         ops = sched[rank]
@@ -374,11 +373,13 @@ ZB_DIAGNOSES = (
               f"microbatch's activations stay until its W, so rank {c.report['rank']} holds "
               f"{c.report['peaks'][c.report['rank']]} microbatches at its peak, 1F1B "
               f"{c.report['want'][c.report['rank']]} (peaks {c.report['peaks']} against "
-              f"{c.report['want']}). Run a W as soon as the next F would go over p - rank"),
+              f"{c.report['want']}). Run a W before the next F whenever that F would take the "
+              f"rank above 1F1B's peak"),
     Diagnosis("too_much_memory", _is("peak"),
               lambda c: f"your schedule is valid, but rank {c.report['rank']} holds more "
-              f"microbatches than 1F1B (peaks {c.report['peaks']} against {c.report['want']}): "
-              f"a microbatch is held from its F until its W"),
+              f"microbatches than 1F1B's first rank (peaks {c.report['peaks']}, at most "
+              f"{c.report['want'][0]}): a microbatch is held from its F until its W, so a W "
+              f"put off too long keeps its activations"),
     Diagnosis("w_right_behind_its_b", _is("w_behind_b"),
               lambda c: f"your schedule is valid with 1F1B's memory, but every W runs right "
               f"behind its B: {_bubbles(c)}. In the cool-down a W there delays the next B, "
@@ -404,19 +405,24 @@ ZB_H1 = register(CaseExercise(
         Write zb_h1(p, m, rank) -> list[Op]: the ZB-H1 zero-bubble schedule of one rank,
         built with F(i), B(i) (now the input-gradient half of the backward) and W(i) (the
         weight-gradient half). Checked for (p, m) = (4, 8), (2, 4), (4, 4): the validator
-        accepts it; no rank holds more microbatches than under 1F1B (a microbatch is held
-        from its F to its W); and its simulated bubble (t_f = 1, B = 1, W = 1) is as small
-        as ZB-H1's.
+        accepts it; no rank holds more microbatches than 1F1B's first rank does (a
+        microbatch is held from its F to its W); and its simulated step (t_f = 1, B = 1,
+        W = 1, instant messages) is as short as ZB-H1's.
     """,
     explanation="""
         Keep 1F1B's F and B exactly where they were: the same warm-up of p - 1 - rank
         forwards, the same steady phase, the same cool-down of backwards. B(i) now only
         computes the gradient of the stage input, which the previous stage is waiting
-        for, so the gradients travel back faster. W(i) (the weight gradients) is needed
-        by nobody else: place it where the rank would otherwise wait, without holding
-        more than 1F1B does. Each microbatch is held until its W, so run a W whenever the
-        next F would take the rank above p - rank microbatches, and use the others to fill
-        the cool-down, where a rank waits for the next gradient after each B.
+        for, so the gradients travel back faster. W(i), the weight gradients, is needed
+        by nobody else: run it where the rank would otherwise wait.
+
+        Where does a rank wait? At the end of the step the last gradients travel back to
+        rank 0 one B at a time: rank r runs its last B about r B-times before rank 0 does,
+        and would then sit idle. So rank r runs each W r backwards late (rank 0 right
+        behind its B), and its last r W after its last B, in that wait; with the W out of
+        the way, each B, and the gradient it sends back, also starts sooner. A microbatch
+        is held from its F to its W, so the late W raise rank r's peak from 1F1B's p - r
+        to p, the peak of 1F1B's first rank: the pipeline needs no more memory than 1F1B.
     """,
     after="""
         `parlib.strategies.schedules.zb_h1` is the library's ZB-H1 (Qi et al., 2023, "Zero
