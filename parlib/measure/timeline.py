@@ -13,11 +13,12 @@ In the notebook::
     draw_timeline(spans, title="GPipe, m = 8", caption=run_label(...))
     measured_bubble(spans)      # 1 - busy / (p x step time)
 
-Spans of kind ``forward`` and ``backward`` are compute; ``send`` and ``recv`` are
-communication (a ``recv`` span includes the time spent waiting for the message), and so
-is a span named after a parallelism axis (:data:`AXES`: a collective or message on that
-axis' group, recorded by :func:`parlib.measure.traffic.axis_traffic`); any time a rank is
-not computing is idle. Times come from ``time.perf_counter``, which on Linux
+Spans of kind ``forward``, ``backward`` and ``weight`` (a split backward's W) are compute;
+``send`` and ``recv`` are communication (a ``recv`` span includes the time spent waiting
+for the message), and so is a span named after a parallelism axis (:data:`AXES`: a
+collective or message on that axis' group, recorded by
+:func:`parlib.measure.traffic.axis_traffic`); any time a rank is not computing is idle.
+Times come from ``time.perf_counter``, which on Linux
 reads one clock for every process of a machine, so ranks on one machine line up.
 """
 
@@ -32,7 +33,7 @@ from typing import Any
 
 from parlib.cost.layout import AXIS_NAMES
 
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "weight")  # weight: a split backward's W
 # Communication on one parallelism axis' group: the axes are the cost layer's table.
 AXES = AXIS_NAMES
 COMM = ("send", "recv", *AXES)
@@ -125,7 +126,7 @@ def makespan(spans_by_rank: Sequence[Iterable[Span]]) -> float:
 
 
 def busy_time(spans: Iterable[Span]) -> float:
-    """Compute time (forward + backward) of one rank."""
+    """Compute time (forward, backward and weight spans) of one rank."""
     return sum(x.duration for x in spans if x.kind in COMPUTE)
 
 

@@ -8,8 +8,11 @@ The neighbours are global ranks carried by the stage (``stage.prev_rank`` /
 ``stage.next_rank``, from :func:`pipeline_peers` of the group it was built for).
 
 * :func:`build_stage` / :class:`Stage` -- this rank's slice of the model.
+* :func:`build_chunks` / :class:`ChunkedStage` -- this rank's v slices for an interleaved
+  schedule: the L blocks cut p*v ways, chunk c of rank r is virtual stage c*p + r.
 * :func:`run_schedule` -- run one training step for this rank from a list of
-  :class:`parlib.strategies.schedules.Op` (GPipe, 1F1B, ...). An optional
+  :class:`parlib.strategies.schedules.Op` (GPipe, 1F1B, interleaved, ZB-H1, or any list
+  :func:`parlib.strategies.schedule_check.validate` accepts). An optional
   :class:`PipelineHooks` sees every compute op and every message (``parlib.experiments``
   uses it to record a timeline, count bytes and saved activations, and pad compute to an
   emulated cost); without one the step is plain torch.
@@ -21,12 +24,23 @@ gradient back both wait for a recv that comes after the other's send (gloo block
 large messages: measured with 16 MB both ways here). Every payload follows a small header
 (kind, microbatch, chunk): two neighbours whose schedules order the microbatches
 differently would otherwise pair one microbatch's activation with another's and train on
-the mix without a word; the header turns that into an error naming both.
+the mix without a word; the header turns that into an error naming both. The header's
+chunk is the receiver's (the chunk whose op consumes the payload).
+
+Split backward (a schedule with W ops): B computes only the gradient of the stage's input
+and sends it (the previous stage waits for it); W computes the weights' gradients later.
+Here B is ``torch.autograd.grad(out, [x], grad, retain_graph=True)`` and W is
+``torch.autograd.backward(out, grad, inputs=params)`` over the same graph. That is not
+free: W walks the chunk's graph again from its output, so it redoes the input-gradient
+products of every layer but the first on its way down to the earlier layers' weights
+(about half a backward more per microbatch). Real implementations split each linear
+layer's backward (dgrad X -> dX = dY W^T in B, wgrad dW = dY^T X in W, stashing dY), so
+B + W costs one backward; an emulated cost (``parlib.experiments``) times them that way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -36,7 +50,7 @@ import torch.nn as nn
 
 from parlib.comm import rank_and_size
 from parlib.model import ModelConfig, TinyGPT, build_model, loss_fn
-from parlib.strategies.schedules import BACKWARD, FORWARD, Op
+from parlib.strategies.schedules import BACKWARD, FORWARD, WEIGHT, Op
 
 # --------------------------------------------------------------------------- stages
 
@@ -67,6 +81,7 @@ class Stage(nn.Module):
             raise ValueError(f"rank must be in [0, {p}), got {rank}")
         self.cfg: ModelConfig = model.cfg
         self.rank, self.p = rank, p  # the stage's index in its pipeline, and the pipeline's length
+        self.chunk = 0  # which of its rank's model chunks this is (interleaved: rank = c*p + r)
         # Global ranks of the neighbouring stages (None at the ends): in a pipeline group of
         # a larger mesh they are not rank - 1 and rank + 1.
         self.prev_rank, self.next_rank = prev_rank, next_rank
@@ -139,6 +154,82 @@ def build_stage(cfg: ModelConfig | None = None, seed: int = 0, rank: int | None 
     return stage.to(device) if device is not None else stage
 
 
+class ChunkedStage(nn.Module):
+    """The v model chunks of one rank for an interleaved schedule: ``chunked[c]`` is a
+    :class:`Stage` for virtual stage c*p + rank of p*v (its ``rank`` and ``p`` are the
+    virtual stage's index and p*v, its ``chunk`` is c, its neighbours global ranks).
+    ``rank`` / ``p`` / ``v`` are this rank's index in its pipeline, the pipeline's length and
+    the chunks per rank; :meth:`grads` merges the chunks' gradients by full-model name."""
+
+    def __init__(self, chunks: Sequence[Stage], rank: int, p: int) -> None:
+        super().__init__()
+        if not chunks:
+            raise ValueError("a ChunkedStage needs at least one chunk")
+        self.chunks = nn.ModuleList(chunks)
+        self.rank, self.p, self.v = rank, p, len(chunks)
+
+    def __getitem__(self, c: int) -> Stage:
+        return self.chunks[c]  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __iter__(self) -> Iterator[Stage]:  # type: ignore[override]
+        return iter(self.chunks)  # type: ignore[arg-type]
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Every chunk's gradients by full-model name (CPU copies; zeros where None)."""
+        out: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            out.update(chunk.grads())  # type: ignore[operator]
+        return out
+
+
+def chunk_stages(model: TinyGPT, rank: int, p: int, v: int,
+                 peers: Sequence[int] | None = None) -> ChunkedStage:
+    """Rank ``rank``'s v chunks of ``model`` in a pipeline of p ranks: the L blocks cut
+    p*v ways, chunk c is virtual stage c*p + rank. ``peers``: the global rank of each
+    pipeline index (default: index i is global rank i)."""
+    if v < 1:
+        raise ValueError(f"v (model chunks per rank) must be >= 1, got {v}")
+    if not 0 <= rank < p:
+        raise ValueError(f"rank must be in [0, {p}), got {rank}")
+    if p * v > model.cfg.n_layers:
+        raise ValueError(f"cannot cut {model.cfg.n_layers} blocks into p*v = {p}*{v} = "
+                         f"{p * v} chunks: interleaving needs at least p*v blocks")
+    peers = list(range(p)) if peers is None else list(peers)
+    if len(peers) != p:
+        raise ValueError(f"peers must name the global rank of each of the {p} pipeline "
+                         f"indices, got {peers}")
+    n = p * v
+    chunks = []
+    for c in range(v):
+        s = c * p + rank
+        stage = Stage(model, s, n, peers[(s - 1) % p] if s > 0 else None,
+                      peers[(s + 1) % p] if s < n - 1 else None)
+        stage.chunk = c
+        chunks.append(stage)
+    return ChunkedStage(chunks, rank, p)
+
+
+def build_chunks(cfg: ModelConfig | None = None, seed: int = 0, rank: int | None = None,
+                 p: int | None = None, v: int = 2, device: Any = None,
+                 group: Any = None) -> ChunkedStage:
+    """Rank ``rank``'s v chunks of ``build_model(cfg, seed)`` for an interleaved schedule
+    (see :class:`ChunkedStage`), moved to ``device``. ``rank`` and ``p`` default to this
+    rank's index in the pipeline ``group`` (the default group when None) and its size."""
+    peers: list[int] | None = None
+    if dist.is_available() and dist.is_initialized():
+        group = group or dist.group.WORLD
+        mine, size = rank_and_size(group)
+        rank = mine if rank is None else rank
+        p = size if p is None else p
+        if p == size:
+            peers = [dist.get_global_rank(group, i) for i in range(size)]
+    chunked = chunk_stages(build_model(cfg, seed), rank or 0, p or 1, v, peers)
+    return chunked.to(device) if device is not None else chunked
+
+
 def microbatches(tensor: torch.Tensor, m: int) -> list[torch.Tensor]:
     """Cut a batch into m equal microbatches along dim 0."""
     if m < 1 or tensor.shape[0] % m:
@@ -154,14 +245,20 @@ class PipelineHooks:
     """What :func:`run_schedule` shows an observer; each method returns a context manager
     wrapped around the work. This base class observes nothing (plain torch).
 
-    * ``compute(kind, mb, rows)`` -- around the forward (stage and loss) or the backward
-      of microbatch ``mb`` of ``rows`` rows; ``kind`` is FORWARD or BACKWARD.
+    * ``compute(kind, mb, rows)`` -- around the forward (stage and loss), the backward or
+      the weight gradients of microbatch ``mb`` of ``rows`` rows; ``kind`` is FORWARD,
+      BACKWARD or WEIGHT.
+    * ``compute_op(op, rows)`` -- what the runner calls; by default ``compute(op.kind,
+      op.mb, rows)``. Override it to see the op's chunk too.
     * ``message(kind, peer, tensor, mb)`` -- around sending ("send") or receiving ("recv")
       ``tensor`` (the payload, header not included) to or from global rank ``peer``.
     """
 
     def compute(self, kind: str, mb: int, rows: int) -> AbstractContextManager[Any]:
         return nullcontext()
+
+    def compute_op(self, op: Op, rows: int) -> AbstractContextManager[Any]:
+        return self.compute(op.kind, op.mb, rows)
 
     def message(self, kind: str, peer: int, tensor: torch.Tensor,
                 mb: int) -> AbstractContextManager[Any]:
@@ -172,8 +269,18 @@ _KIND_CODE = {FORWARD: 0, BACKWARD: 1}  # header: which way the payload travels
 _WHAT = {FORWARD: "activation", BACKWARD: "gradient"}
 
 
+def _chunks_of(stage: Stage | ChunkedStage | Sequence[Stage]) -> list[Stage]:
+    if isinstance(stage, Stage):
+        return [stage]
+    chunks = list(stage)
+    if not chunks or not all(isinstance(c, Stage) for c in chunks):
+        raise TypeError("run_schedule needs a Stage, a ChunkedStage or a list of Stages, got "
+                        f"{type(stage).__name__}")
+    return chunks
+
+
 def run_schedule(
-    stage: Stage,
+    stage: Stage | ChunkedStage | Sequence[Stage],
     ops: Sequence[Op],
     tokens: torch.Tensor,
     targets: torch.Tensor,
@@ -183,34 +290,53 @@ def run_schedule(
 ) -> float | None:
     """One training step of this rank's stage, running ``ops`` in order.
 
+    ``stage``: a :class:`Stage`, or the :class:`ChunkedStage` of :func:`build_chunks` when
+    ``ops`` use v > 1 chunks (op.chunk picks the chunk). ``ops`` with WEIGHT ops split each
+    backward into B (the input's gradient, sent at once) and W (the weights' gradients).
     ``tokens`` / ``targets`` are the full batch (every rank may pass them; only the first
     stage reads tokens and only the last reads targets). Each microbatch's loss is divided
     by m, so the accumulated gradients equal the full-batch gradients. Gradients are
     accumulated into ``.grad`` (zero them before the step). Returns the full-batch loss on
-    the last stage, None elsewhere. Raises ``RuntimeError`` when a neighbour sends another
-    microbatch than the one this rank's next op expects.
+    the rank holding the last stage, None elsewhere. Raises ``RuntimeError`` when a
+    neighbour sends another microbatch than the one this rank's next op expects. Check
+    the whole schedule first with :func:`parlib.strategies.schedule_check.validate`: one
+    it accepts runs to its end on every rank.
     """
-    if any(op.chunk for op in ops):
-        raise ValueError("run_schedule runs one chunk per rank; interleaved ops are drawn, "
-                         "not run")
+    chunks = _chunks_of(stage)
+    v = len(chunks)
+    split = any(op.kind == WEIGHT for op in ops)
+    for i, op in enumerate(ops):
+        if op.kind not in (FORWARD, BACKWARD, WEIGHT):
+            raise ValueError(f"op {i} ({op!r}): unknown op kind {op.kind!r}")
+        if not 0 <= op.chunk < v:
+            raise ValueError(
+                f"op {i} ({op!r}) runs chunk {op.chunk}, but this rank has {v} chunk(s)"
+                + ("; run_schedule runs one chunk per Stage: build the chunks of an "
+                   "interleaved schedule with build_chunks(cfg, seed, v=...)" if v == 1 else ""))
     hooks = hooks or PipelineHooks()
-    device = next(stage.parameters()).device
+    device = next(chunks[0].parameters()).device
     xs = microbatches(tokens, m)
     ys = microbatches(targets, m)
-    shape = stage.activation_shape(xs[0].shape[0])  # (b/m, s, h)
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
+    shape = chunks[0].activation_shape(xs[0].shape[0])  # (b/m, s, h)
+    if chunks[0].p % v:
+        raise ValueError(f"{v} chunks per rank but {chunks[0].p} virtual stages: build the "
+                         f"chunks with build_chunks (p*v virtual stages)")
+    p_ranks = chunks[0].p // v  # virtual stage s = c*p + r: a neighbour's chunk is (s +- 1) // p
+    inputs: dict[tuple[int, int], torch.Tensor] = {}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
     pending: list[tuple[Any, torch.Tensor]] = []  # isend works and the tensors they read
     loss_total = 0.0
+    last_here = any(c.is_last for c in chunks)
 
-    def send(t: torch.Tensor, dst: int, op: Op) -> None:
+    def send(t: torch.Tensor, dst: int, op: Op, dst_chunk: int) -> None:
         t = t.detach().contiguous()
-        header = torch.tensor([_KIND_CODE[op.kind], op.mb, op.chunk], device=device)
+        header = torch.tensor([_KIND_CODE[op.kind], op.mb, dst_chunk], device=device)
         with hooks.message("send", dst, t, op.mb):
             pending.append((dist.isend(header, dst), header))
             pending.append((dist.isend(t, dst), t))
 
-    def recv(src: int, op: Op) -> torch.Tensor:
+    def recv(src: int, op: Op, st: Stage) -> torch.Tensor:
         header = torch.empty(3, dtype=torch.int64, device=device)
         buf = torch.empty(shape, device=device)
         with hooks.message("recv", src, buf, op.mb):
@@ -219,10 +345,10 @@ def run_schedule(
             if (kind, mb, chunk) != (_KIND_CODE[op.kind], op.mb, op.chunk):
                 sent = f"{_WHAT[FORWARD if kind == 0 else BACKWARD]} of microbatch {mb}"
                 raise RuntimeError(
-                    f"rank {dist.get_rank()} (stage {stage.rank}) at op {op!r} expected the "
+                    f"rank {dist.get_rank()} (stage {st.rank}) at op {op!r} expected the "
                     f"{_WHAT[op.kind]} of microbatch {op.mb} from rank {src}, but rank {src} "
                     f"sent the {sent}"
-                    + (f" (chunk {chunk})" if chunk else "")
+                    + (f" (for chunk {chunk})" if chunk or op.chunk else "")
                     + ": the two stages' schedules order the microbatches differently; "
                     "neighbouring stages must run their forwards (and backwards) in the "
                     "same microbatch order")
@@ -230,40 +356,65 @@ def run_schedule(
         return buf
 
     for op in ops:
-        i = op.mb
+        i, st = op.mb, chunks[op.chunk]
+        key = (op.mb, op.chunk)
         rows = xs[i].shape[0]
         if op.kind == FORWARD:
-            x = xs[i].to(device) if stage.is_first else recv(stage.prev_rank, op).requires_grad_()
-            with hooks.compute(FORWARD, i, rows):
-                y = stage(x)  # (b/m, s, h), logits (b/m, s, V) on the last stage
-                if stage.is_last:
+            x = xs[i].to(device) if st.is_first else recv(st.prev_rank, op, st).requires_grad_()
+            with hooks.compute_op(op, rows):
+                y = st(x)  # (b/m, s, h), logits (b/m, s, V) on the last stage
+                if st.is_last:
                     y = loss_fn(y, ys[i].to(device)) / m
-            inputs[i], outputs[i] = x, y
-            if stage.is_last:
+            inputs[key], outputs[key] = x, y
+            if st.is_last:
                 loss_total += y.item()
             else:
-                send(y, stage.next_rank, op)
+                send(y, st.next_rank, op, (st.rank + 1) // p_ranks)
         elif op.kind == BACKWARD:
-            grad = None if stage.is_last else recv(stage.next_rank, op)
-            with hooks.compute(BACKWARD, i, rows):
-                torch.autograd.backward(outputs.pop(i), grad)
-            x = inputs.pop(i)
-            if not stage.is_first:
-                send(x.grad, stage.prev_rank, op)
-        else:
-            raise ValueError(f"unknown op kind {op.kind!r}")
+            if key not in outputs:
+                raise RuntimeError(f"op {op!r}: its forward has not run on this rank")
+            grad = None if st.is_last else recv(st.next_rank, op, st)
+            if not split:
+                with hooks.compute_op(op, rows):
+                    torch.autograd.backward(outputs.pop(key), grad)
+                x = inputs.pop(key)
+                if not st.is_first:
+                    send(x.grad, st.prev_rank, op, (st.rank - 1) // p_ranks)
+                continue
+            out, x = outputs.pop(key), inputs[key]
+            with hooks.compute_op(op, rows):
+                # the first stage's input is tokens: no gradient to compute or send
+                gx = None if st.is_first else torch.autograd.grad(
+                    out, [x], grad, retain_graph=True)[0]
+            weight_work[key] = (out, grad)
+            if gx is not None:
+                send(gx, st.prev_rank, op, (st.rank - 1) // p_ranks)
+        else:  # WEIGHT
+            if key not in weight_work:
+                raise RuntimeError(f"op {op!r}: its backward B{op.mb} has not run on this rank")
+            out, grad = weight_work.pop(key)
+            inputs.pop(key)
+            params = [prm for prm in st.parameters() if prm.requires_grad]
+            with hooks.compute_op(op, rows):
+                torch.autograd.backward(out, grad, inputs=params)  # frees the graph
     for work, _ in pending:
         work.wait()
     if outputs:
-        raise RuntimeError(f"schedule ended with microbatches {sorted(outputs)} never run "
-                           f"backward")
-    return loss_total if stage.is_last else None
+        raise RuntimeError(f"schedule ended with (microbatch, chunk) {sorted(outputs)} never "
+                           f"run backward")
+    if weight_work:
+        raise RuntimeError(f"schedule ended with (microbatch, chunk) {sorted(weight_work)} "
+                           f"never run W (the weight gradients)")
+    return loss_total if last_here else None
 
 
 __all__ = [
+    "ChunkedStage",
     "PipelineHooks",
     "Stage",
+    "build_chunks",
     "build_stage",
+    "chunk_stages",
     "microbatches",
     "partition",
     "pipeline_peers",

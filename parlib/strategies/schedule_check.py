@@ -203,13 +203,13 @@ def _check_messages(sched: Mapping[int, Sequence[Op]], p: int, v: int) -> None:
                     got, sent_by, at = queue.popleft()
                     if got != want:
                         raise ScheduleError(
-                            f"{_where(r, pc[r], op)}: expects the {_WHAT[op.kind]} of "
-                            f"microbatch {op.mb} from rank {src[0]}, but the next message "
-                            f"rank {sent_by} sends it is the {_WHAT[got.kind]} of microbatch "
-                            f"{got.mb} (its op {at}): messages between two ranks arrive in "
-                            f"the order they were sent, so neighbouring stages must run "
-                            f"their forwards (and backwards) in the same microbatch order",
-                            problem="order", rank=r, index=pc[r], op=op)
+                            f"{_where(r, pc[r], op)}: expects the {_WHAT[op.kind]} for "
+                            f"{want!r} from rank {src[0]}, but the next message rank "
+                            f"{sent_by} sends it is the {_WHAT[got.kind]} for {got!r} (sent "
+                            f"at its op {at}, {ops[sent_by][at]!r}): messages between two "
+                            f"ranks arrive in the order they were sent, so neighbouring "
+                            f"stages must run their forwards (and backwards) in the same "
+                            f"microbatch order", problem="order", rank=r, index=pc[r], op=op)
                 dst = target_of(op, r, p, v)
                 if dst is not None:
                     # the receiver's op that consumes it: same kind, microbatch, its chunk
@@ -220,20 +220,32 @@ def _check_messages(sched: Mapping[int, Sequence[Op]], p: int, v: int) -> None:
     stuck = [r for r in range(p) if pc[r] < len(ops[r])]
     if not stuck:
         return
-    # follow who waits for whom from the lowest stuck rank until the chain closes
-    chain, r = [], stuck[0]
-    visited: set[int] = set()
-    while r not in visited and pc[r] < len(ops[r]):
-        visited.add(r)
+    # follow who waits for whom from the lowest stuck rank until the chain closes; the
+    # closed loop is the deadlock, any rank before it only waits behind it
+    waits_for: dict[int, int] = {}
+    r = stuck[0]
+    while r not in waits_for:
+        src = peer_of(ops[r][pc[r]], r, p, v)
+        assert src is not None and pc[src[0]] < len(ops[src[0]])  # stuck ops receive
+        waits_for[r] = src[0]
+        r = src[0]
+    loop = [r]
+    while waits_for[loop[-1]] != loop[0]:
+        loop.append(waits_for[loop[-1]])
+    k = loop.index(min(loop))
+    loop = loop[k:] + loop[:k]
+    parts = []
+    for r in loop:
         op = ops[r][pc[r]]
-        src, chunk = peer_of(op, r, p, v)  # type: ignore[misc]  # stuck ops receive
+        src, chunk = peer_of(op, r, p, v)  # type: ignore[misc]
         need = Op(op.kind, op.mb, chunk)
-        j = index[src].get(need)
-        chain.append(f"rank {r} waits at op {pc[r]} ({op!r}) for the {_WHAT[op.kind]} rank "
-                     f"{src} sends at its op {j} ({need!r})")
-        r = src
-    first = stuck[0]
-    raise ScheduleError("deadlock: " + ", but ".join(chain) + ": no rank can go on",
+        parts.append(f"rank {r} waits at op {pc[r]} ({op!r}) for the {_WHAT[op.kind]} rank "
+                     f"{src} sends at its op {index[src].get(need)} ({need!r})")
+    behind = [r for r in stuck if r not in loop]
+    tail = (f" (rank{'s' if len(behind) > 1 else ''} {', '.join(map(str, behind))} "
+            f"wait{'' if len(behind) > 1 else 's'} behind them)" if behind else "")
+    first = loop[0]
+    raise ScheduleError("deadlock: " + ", but ".join(parts) + ": no rank can go on" + tail,
                         problem="deadlock", rank=first, index=pc[first], op=ops[first][pc[first]])
 
 
