@@ -434,3 +434,14 @@ def test_memory_choice_facts_hold():
 
     assert peak("interleaved") / 2 > 4 and peak("interleaved") > 8
     assert peak("zb-h1") == peak("1f1b") == 4 and peak("gpipe") == 16
+
+
+def test_zb_removed_matches_the_simulated_timelines():
+    # the cost formula behind 04.zb_removed and the simulator agree on these op times
+    from parlib.experiments.simulate import simulate
+    from parlib.measure.timeline import makespan
+
+    idle = {name: makespan(simulate(name, 4, 8, t_f=1.0, t_b=2.0, t_w=0.8)) - 8 * 3.0
+            for name in ("1f1b", "zb-h1")}
+    assert idle["1f1b"] == pytest.approx(9.0) and idle["zb-h1"] == pytest.approx(4.2)
+    assert check("04.zb_removed", 1 - idle["zb-h1"] / idle["1f1b"]).passed

@@ -3,7 +3,14 @@ boundary bytes, more stages, the data-parallel sync of a pipeline."""
 
 from __future__ import annotations
 
-from parlib.cost import bubble_fraction, bubble_ratio, min_microbatches, predicted_sent_bytes
+from parlib.cost import (
+    bubble_fraction,
+    bubble_ratio,
+    messages_per_rank,
+    min_microbatches,
+    predicted_sent_bytes,
+    schedule_compute_time,
+)
 from parlib.course.question_types import Choice, Numeric
 from parlib.course.registry import register
 
@@ -294,17 +301,9 @@ register(Numeric(
 ))
 
 
-def _payload_messages(name: str, p: int, m: int, v: int = 1) -> int:
-    """Activations and gradients sent in one step by all ranks together, counted by the
-    validator's message model on the library's schedule (headers not counted)."""
-    from parlib.strategies.schedule_check import messages
-    from parlib.strategies.schedules import all_ranks
-
-    return sum(messages(all_ranks(name, p, m, v), p, v).values())
-
-
-_MSG_1F1B = _payload_messages("1f1b", _P_IL, _M_IL)
-_MSG_IL = _payload_messages("interleaved", _P_IL, _M_IL, _V_IL)
+# activations and gradients sent in one step by all ranks together (headers not counted)
+_MSG_1F1B = sum(messages_per_rank("1f1b", _P_IL, _M_IL).values())
+_MSG_IL = sum(messages_per_rank("interleaved", _P_IL, _M_IL, _V_IL).values())
 
 register(Numeric(
     "04.interleaved_messages",
@@ -348,12 +347,12 @@ register(Numeric(
 
 
 def _idle_per_rank(name: str, p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
-    """Idle time of a rank in the ideal timeline of the library's schedule ``name``: the
-    simulated step less the rank's own work m (t_f + t_b), the same on every rank."""
-    from parlib.experiments.simulate import simulate
-    from parlib.measure.timeline import makespan
-
-    step = makespan(simulate(name, p, m, t_f=t_f, t_b=t_b, t_w=t_w))
+    """A rank's idle time per step under ``name`` (t_b the full backward, t_w its weight
+    part): the predicted step with instant messages less the rank's own work."""
+    if name == "zb-h1":  # its B op is the input-gradient part only
+        step = schedule_compute_time(name, p, m, t_f, t_b - t_w, t_w)
+    else:
+        step = schedule_compute_time(name, p, m, t_f, t_b)
     return step - m * (t_f + t_b)
 
 
@@ -380,8 +379,9 @@ register(Numeric(
         ZB-H1 (Qi et al., 2023) shortens it twice. The gradient that travels back now
         leaves after B (t_b - t_w = 1.2 ms) instead of the full backward, and each rank
         fills the waits of the cool-down with its deferred W: each of the p - 1 slots loses
-        t_w twice, leaving 3 x (1 + 2 - 2 x 0.8) = **{_IDLE_ZB:g} ms** (this is also what the
-        simulator gives for `schedules.zb_h1`).
+        t_w twice, leaving 3 x (1 + 2 - 2 x 0.8) = **{_IDLE_ZB:g} ms** (what
+        `parlib.cost.schedule_compute_time` predicts, and the simulator draws for
+        `schedules.zb_h1`).
 
         Removed: 1 - {_IDLE_ZB:g} / {_IDLE_1F1B:g} = **{1 - _IDLE_ZB / _IDLE_1F1B:.4f}**, i.e.
         2 t_w / (t_f + t_b). With B and W equal to the forward (t_w = 1 ms) it would remove
