@@ -264,6 +264,10 @@ ONE_F_ONE_B_MUTANTS = {
     "deadlock": ({"x": (WARMUP, "warmup = min(rank, m)")}, "p - 1 - rank warm-up forwards"),
     "gradient_before_forward": ({"x": (STEADY, "ops += [B(i), F(warmup + i)]")},
                                 "F(warmup + i), B(i)"),
+    # the cool-down's backwards last-first: the neighbours' gradients arrive out of order
+    "microbatch_order": ({"x": ("[B(i) for i in range(m - warmup, m)]",
+                                "[B(i) for i in reversed(range(m - warmup, m))]")},
+                         "same microbatch order"),
     "skipped_backward": ({"x": (DRAIN, "range(m - warmup + 1, m)]")},
                          "needs its backward on every rank"),
     "repeated_op": ({"x": (DRAIN, "range(m - warmup - 1, m)]")}, "runs once"),

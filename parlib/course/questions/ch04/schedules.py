@@ -84,8 +84,21 @@ def _validated(fn: Callable, p: int, m: int) -> tuple[dict[int, list], dict[str,
         validate(sched, p, m)
     except ScheduleError as err:
         return sched, {"problem": err.problem, "message": str(err), "rank": err.rank,
-                       "op": err.op}
+                       "op": err.op, "between_ranks": _between_ranks(sched, err)}
     return sched, None
+
+
+def _between_ranks(sched: dict[int, list], err: Any) -> bool:
+    """An order error between two ranks (a neighbour sends another microbatch first), not
+    on one rank (a gradient before its own forward, a W before its B)."""
+    from parlib.strategies.schedules import BACKWARD, FORWARD, WEIGHT, Op
+
+    if err.problem != "order" or err.op is None or err.index is None:
+        return False
+    before = {BACKWARD: FORWARD, WEIGHT: BACKWARD}.get(err.op.kind)
+    if before is None:
+        return True
+    return Op(before, err.op.mb, err.op.chunk) in sched[err.rank][:err.index]
 
 
 def _simulated(sched: dict[int, list], p: int, m: int) -> tuple[float, float]:
@@ -217,6 +230,11 @@ ONE_F_ONE_B_DIAGNOSES = (
               f"stage sends back, so each rank must run enough forwards first to fill the "
               f"pipe below it: p - 1 - rank warm-up forwards on rank `rank` (the first "
               f"stage the most, the last none)"),
+    Diagnosis("microbatch_order", lambda c: c.report.get("between_ranks", False),
+              lambda c: f"{_says(c)}. Every rank must run its backwards in the same "
+              f"microbatch order, 0, 1, ..., m-1, in the cool-down too (1F1B's oldest "
+              f"microbatch first), or a gradient arrives for another microbatch than the "
+              f"one the rank's next op expects"),
     Diagnosis("gradient_before_forward", _is("order"),
               lambda c: f"{_says(c)}. In the steady phase a rank runs the forward of its next "
               f"microbatch first, then the backward of its oldest one: F(warmup + i), B(i)"),
@@ -350,7 +368,8 @@ def _bubbles(c: Case) -> str:
 ZB_DIAGNOSES = (
     Diagnosis("not_ops", _is("not_ops"),
               lambda c: f"{c.report['message']}: return a list of Op built with F, B and W"),
-    Diagnosis("weight_before_backward", _is("order"),
+    Diagnosis("weight_before_backward",
+              lambda c: c.report["problem"] == "order" and not c.report["between_ranks"],
               lambda c: f"the validator says: {c.report['message']}. W(i) computes the weight "
               f"gradients from the output gradient that B(i) received: it can run only after "
               f"B(i) on the same rank"),
