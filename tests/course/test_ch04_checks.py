@@ -449,3 +449,22 @@ def test_zb_removed_matches_the_simulated_timelines():
             for name in ("1f1b", "zb-h1")}
     assert idle["1f1b"] == pytest.approx(9.0) and idle["zb-h1"] == pytest.approx(4.2)
     assert check("04.zb_removed", 1 - idle["zb-h1"] / idle["1f1b"]).passed
+
+
+def test_part_two_prose_matches_the_formulas():
+    from parlib import cost
+    from parlib.strategies.schedules import all_ranks, peaks
+
+    text = " ".join(" ".join(_notebook_sources("markdown")).split())
+    # section 11: p = 4, m = 4, v = 2
+    assert cost.bubble_fraction(4, 4) == 3 / 7 and cost.bubble_fraction(4, 4, 2) == 3 / 11
+    assert "(p-1)/(m+p-1) = 3/7 to (p-1)/(v m+p-1) = 3/11" in text
+    sent = (cost.messages_per_rank("interleaved", 4, 4, 2)[1],
+            cost.messages_per_rank("1f1b", 4, 4)[1])
+    assert sent == (16, 8) and "2 v m = 16 messages per step instead of 2m = 8" in text
+    assert cost.critical_path_messages("interleaved", 4, 4, 2) == 2 * (4 * 2 - 1)
+    # section 12: ZB-H1 holds p on every rank, 1F1B's first-rank peak
+    assert set(peaks(all_ranks("zb-h1", 4, 4)).values()) == {4}
+    assert "rank r now holds p microbatches instead of p - r" in text
+    # section 13: the hand-written schedule is 1F1B with the backward split
+    assert "no rank waits forever" in text
