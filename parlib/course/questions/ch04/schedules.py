@@ -217,6 +217,16 @@ def _too_few(c: Case) -> bool:
             and all(g <= w for g, w in zip(c.report["peaks"], c.report["want"])))
 
 
+def _too_few_hint(c: Case) -> str:
+    step, ref = c.report["step"], c.report["step_1f1b"]
+    wait = (f"but its ranks wait: the simulated step takes {step:g} t_f against 1F1B's "
+            f"{ref:g} t_f (t_b = 2 t_f)" if step > ref + 1e-9 else
+            "which is not the schedule asked for")
+    return (f"{_setting(c)} your schedule is valid and holds fewer microbatches than 1F1B "
+            f"({_peaks(c)}), {wait}. Run p - 1 - rank warm-up forwards so that the pipe is "
+            f"full when the first gradient comes back")
+
+
 ONE_F_ONE_B_DIAGNOSES = (
     Diagnosis("not_ops", _is("not_ops"),
               lambda c: f"{_setting(c)}: {c.report['message']}: return a list of Op, built "
@@ -255,12 +265,7 @@ ONE_F_ONE_B_DIAGNOSES = (
               lambda c: f"{_setting(c)} your schedule is valid but holds one microbatch too "
               f"many on each rank ({_peaks(c)}): the warm-up is p - 1 - rank forwards, not "
               f"p - rank; the steady phase's first forward is the one that makes p - rank"),
-    Diagnosis("warmup_too_short", _too_few,
-              lambda c: f"{_setting(c)} your schedule is valid and holds fewer microbatches "
-              f"than 1F1B ({_peaks(c)}), but its ranks wait: the simulated step takes "
-              f"{c.report['step']:g} t_f against 1F1B's {c.report['step_1f1b']:g} t_f "
-              f"(t_b = 2 t_f). Run p - 1 - rank warm-up forwards so that the pipe is full "
-              f"when the first gradient comes back"),
+    Diagnosis("warmup_too_short", _too_few, _too_few_hint),
     Diagnosis("wrong_peak", _is("peak"),
               lambda c: f"{_setting(c)} your schedule is valid but its memory is not 1F1B's "
               f"({_peaks(c)}): rank r holds at most p - r microbatches (m if fewer)"),
