@@ -11,7 +11,8 @@ payload message, each alpha + beta x bytes with the link's fitted alpha and beta
 parlib.measure.links, the launching chapter's fit or a quick one made now). Gradients are
 checked against the single-device model first; each row is the median of the repeats after
 one warm-up step, with the fastest and slowest repeat; messages are the send spans the
-runner recorded, against parlib.cost.messages_per_rank.
+runner recorded, against parlib.cost.messages_per_rank; "late ops" are the ops whose real
+compute outlasted their emulated time by over 1 ms (where the theory cannot hold).
 
 The last line is the worst ratio to theory R = max over rows of max(measured/theory,
 theory/measured): a theory that predicts too long a step counts as much as one too short.
@@ -95,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
             median = runs[len(runs) // 2]
             med = makespan(median)
             sent = sum(measured_messages(median).values())
+            due = {"forward": pred.t_f, "backward": pred.t_b, "weight": pred.t_w}
+            ops = [x for spans in median for x in spans if x.kind in due]
+            # an op that outlasts its emulated time by over 1 ms: real compute overran
+            late = sum(x.duration > due[x.kind] + 1e-3 for x in ops) / len(ops)
             rows.append(dict(name=name, m=m, theory=pred.step, msg=pred.message_part,
                              med=med, fast=steps[0], slow=steps[-1], ratio=med / pred.step,
                              bubble=measured_bubble(median), bubble_th=pred.bubble,
-                             sent=sent, sent_th=sum(pred.messages.values())))
+                             sent=sent, sent_th=sum(pred.messages.values()), late=late))
     print(f"\npipeline step time, {label}, batch B = {args.batch} for every m, "
           f"{cfg.n_layers} blocks")
     print(stage_cost.describe() + f"; interleaved v = {args.v}, ZB-H1 W = "
@@ -106,14 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"link: alpha {link.alpha * 1e6:.0f} us, beta {link.beta * 1e9:.3f} ns/B ({source}); "
           f"a crossing is a {cost.HEADER_BYTES} B header + the payload")
     print(f"median of {args.repeats} after 1 warm-up step (fastest-slowest); theory = compute "
-          f"+ crossings on the critical path")
+          f"+ crossings on the critical path; late ops: ops of the median step that outlast "
+          f"their emulated time by over 1 ms (real compute overran: a loaded machine)")
     print(f"{'schedule':<16}{'m':>3}{'theory ms':>11}{'(msgs)':>8}{'measured ms':>13}"
-          f"{'(min-max)':>13}{'ratio':>7}{'bubble':>8}{'theory':>8}{'sends':>7}{'theory':>8}")
+          f"{'(min-max)':>13}{'ratio':>7}{'bubble':>8}{'theory':>8}{'sends':>7}{'theory':>8}"
+          f"{'late ops':>10}")
     for r in rows:
         spread = f"({r['fast'] * 1e3:.0f}-{r['slow'] * 1e3:.0f})"
         print(f"{schedule_label(r['name'], args.v):<16}{r['m']:>3}{r['theory'] * 1e3:>11.1f}"
               f"{r['msg'] * 1e3:>8.1f}{r['med'] * 1e3:>13.1f}{spread:>13}{r['ratio']:>7.3f}"
-              f"{r['bubble']:>8.3f}{r['bubble_th']:>8.3f}{r['sent']:>7}{r['sent_th']:>8}")
+              f"{r['bubble']:>8.3f}{r['bubble_th']:>8.3f}{r['sent']:>7}{r['sent_th']:>8}"
+              f"{r['late']:>10.0%}")
     for item in skipped:
         print(f"skipped: {item}")
     for name in args.schedules:
