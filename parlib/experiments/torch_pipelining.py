@@ -12,7 +12,11 @@ like-for-like race; its gradients and its op order are (:func:`torch_orders_as_o
 :func:`compare_orders`). :func:`race_torch` runs ours and torch's side by side.
 
 :func:`gpipe_backward_orders`: torch's GPipe runs its backwards in the order 0..m-1, ours
-m-1..0; both are valid schedules with the same peak.
+m-1..0; both are valid schedules with the same peak. Torch 2.13's ``Schedule1F1B`` has a
+``pipeline_order`` too; on its last rank it lists the forwards as F1..Fm (one more than the
+microbatch it runs: m = 8 lists an F8), so :func:`compare_orders` reports that rank as
+differing from ours at its first op although the run's gradients equal single-device; the
+other ranks' orders equal ours.
 """
 
 from __future__ import annotations
