@@ -129,3 +129,12 @@ def test_race_torch_interleaved_and_zero_bubble_match_ours():
     assert not by_name["zb-h1"]["like_for_like"] and by_name["interleaved"]["like_for_like"]
     assert all(r["ours_s"] > 0 and r["torch_s"] > 0 for r in rows)
     assert all_ranks("zb-h1", 2, 2)  # the order compared against
+
+
+def test_lab_refuses_what_a_schedule_cannot_run_before_launching():
+    with pytest.raises(ValueError, match="multiple of p"):
+        lab.run_schedule_lab(("interleaved",), p=2, m=3, batch=6, cfg=CFG)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        lab.run_schedule_lab(("pipedream",), p=2, m=2, batch=4, cfg=CFG)
+    with pytest.raises(ValueError, match="no torch schedule"):
+        tp.rank_torch_pipelining(CFG, schedule_name="pipedream")
