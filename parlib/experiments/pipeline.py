@@ -58,8 +58,10 @@ class _ScaledCost:
 class MeasuringHooks(PipelineHooks):
     """Hooks for :func:`run_schedule` that record into ``recorder`` (a span per op and per
     message, bytes by peer), track saved activations of every forward in ``memory`` and
-    pad every forward and backward to ``cost`` (communication recorded inside the op, the
-    tensor-parallel all-reduces of the combining chapter, is not counted as compute)."""
+    pad every forward, backward and W to ``cost`` (communication recorded inside the op,
+    the tensor-parallel all-reduces of the combining chapter, is not counted as compute).
+    With ``v`` chunks per rank each op costs 1/v of the stage's; with ``split`` (the
+    schedule has W ops) B costs ``1 - weight_share`` of the backward and W the rest."""
 
     def __init__(self, stage: int, recorder: Recorder | None = None,
                  cost: StageCost | PacedCost | None = None,

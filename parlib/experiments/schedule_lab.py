@@ -187,7 +187,9 @@ def run_schedule_lab(
     backward as W) ``repeats`` times after one warm-up step; raise ``AssertionError`` if its
     gradients differ from the single-device model's. ``alpha`` (s) and ``beta`` (s/byte):
     the link's alpha-beta fit (:func:`parlib.measure.links.load_or_measure`), which prices
-    the messages in the prediction and the simulation. Returns one :class:`LabRun` each."""
+    the messages in the prediction and the simulation. Returns one :class:`LabRun` each.
+    A schedule that cannot run with these numbers (interleaved with m not a multiple of p,
+    an unknown name) raises ``ValueError`` before any rank starts."""
     cfg = cfg or lab_config(p, v)
     payload = formulas.boundary_bytes(batch // m, cfg.seq_len, cfg.d_model)
     t_cross = formulas.crossing_time(payload, alpha, beta) if alpha or beta else 0.0

@@ -1,6 +1,7 @@
 """Ways to split training over ranks, one module per parallelism (``data`` with
 ``data_parallel`` and ``zero``, ``tensor`` with ``tensor_ops``, ``pipeline`` with
-``schedules``, ``combined`` on a ``mesh``): the code a reader could lift into a training
-script. They import only torch, :mod:`parlib.comm`, the pure formulas of :mod:`parlib.cost`,
-:mod:`parlib.model` and each other; measuring them is :mod:`parlib.experiments`' job.
+``schedules`` and ``schedule_check``, ``combined`` on a ``mesh``): the code a reader could
+lift into a training script. They import only torch, :mod:`parlib.comm`, the pure formulas
+of :mod:`parlib.cost`, :mod:`parlib.model` and each other; measuring them is
+:mod:`parlib.experiments`' job.
 """

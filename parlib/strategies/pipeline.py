@@ -40,6 +40,7 @@ B + W costs one backward; an emulated cost (``parlib.experiments``) times them t
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -308,6 +309,9 @@ def run_schedule(
     for i, op in enumerate(ops):
         if op.kind not in (FORWARD, BACKWARD, WEIGHT):
             raise ValueError(f"op {i} ({op!r}): unknown op kind {op.kind!r}")
+        if not 0 <= op.mb < m:
+            raise ValueError(f"op {i} ({op!r}): microbatch {op.mb} is not one of 0..{m - 1} "
+                             f"(m={m})")
         if not 0 <= op.chunk < v:
             raise ValueError(
                 f"op {i} ({op!r}) runs chunk {op.chunk}, but this rank has {v} chunk(s)"
@@ -329,10 +333,17 @@ def run_schedule(
     loss_total = 0.0
     last_here = any(c.is_last for c in chunks)
 
+    # One rank holding every chunk (p = 1) sends to itself: a queue in order, as gloo would.
+    to_self: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+    alone = p_ranks == 1
+
     def send(t: torch.Tensor, dst: int, op: Op, dst_chunk: int) -> None:
         t = t.detach().contiguous()
         header = torch.tensor([_KIND_CODE[op.kind], op.mb, dst_chunk], device=device)
         with hooks.message("send", dst, t, op.mb):
+            if alone:
+                to_self.append((header, t.clone()))
+                return
             pending.append((dist.isend(header, dst), header))
             pending.append((dist.isend(t, dst), t))
 
@@ -340,19 +351,27 @@ def run_schedule(
         header = torch.empty(3, dtype=torch.int64, device=device)
         buf = torch.empty(shape, device=device)
         with hooks.message("recv", src, buf, op.mb):
-            dist.recv(header, src)
+            if alone:
+                if not to_self:
+                    raise RuntimeError(f"op {op!r} waits for a message this rank never sent "
+                                       f"itself (a deadlock: validate the schedule)")
+                header, buf = to_self.popleft()
+            else:
+                dist.recv(header, src)
             kind, mb, chunk = header.tolist()
             if (kind, mb, chunk) != (_KIND_CODE[op.kind], op.mb, op.chunk):
                 sent = f"{_WHAT[FORWARD if kind == 0 else BACKWARD]} of microbatch {mb}"
+                me = dist.get_rank() if dist.is_initialized() else 0
                 raise RuntimeError(
-                    f"rank {dist.get_rank()} (stage {st.rank}) at op {op!r} expected the "
+                    f"rank {me} (stage {st.rank}) at op {op!r} expected the "
                     f"{_WHAT[op.kind]} of microbatch {op.mb} from rank {src}, but rank {src} "
                     f"sent the {sent}"
                     + (f" (for chunk {chunk})" if chunk or op.chunk else "")
                     + ": the two stages' schedules order the microbatches differently; "
                     "neighbouring stages must run their forwards (and backwards) in the "
                     "same microbatch order")
-            dist.recv(buf, src)
+            if not alone:
+                dist.recv(buf, src)
         return buf
 
     for op in ops:
@@ -381,6 +400,10 @@ def run_schedule(
                 if not st.is_first:
                     send(x.grad, st.prev_rank, op, (st.rank - 1) // p_ranks)
                 continue
+            # Split: B follows only the path to the input (autograd skips the weights'
+            # products) and keeps the graph for W, which walks it again to the weights and
+            # so redoes B's input-gradient products of all but the first layer; a per-layer
+            # dgrad/wgrad split (stashing each layer's output gradient) would not.
             out, x = outputs.pop(key), inputs[key]
             with hooks.compute_op(op, rows):
                 # the first stage's input is tokens: no gradient to compute or send

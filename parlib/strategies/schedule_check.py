@@ -78,8 +78,9 @@ def target_of(op: Op, rank: int, p: int, v: int) -> tuple[int, int] | None:
 
 def messages(sched: Mapping[int, Sequence[Op]], p: int, v: int = 1) -> dict[int, int]:
     """Point-to-point messages each rank sends in one step (activations and gradients).
-    Interleaving sends v times as many boundary messages as one chunk per rank (less one
-    pair: the model's two ends send nothing)."""
+    One activation and one gradient per microbatch cross each of the p*v - 1 boundaries
+    between virtual stages: 2m(pv - 1) in all, against 2m(p - 1) with one chunk per rank,
+    about v times as many."""
     return {r: sum(target_of(op, r, p, v) is not None for op in sched[r]) for r in range(p)}
 
 

@@ -14,6 +14,7 @@ from parlib.measure.timeline import align, makespan
 from parlib.model import ModelConfig, build_model, make_batch
 from parlib.strategies import pipeline
 from parlib.strategies import schedules as S
+from parlib.strategies.schedules import Op
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
 
@@ -57,11 +58,13 @@ def test_saved_bytes_peak_and_release():
     assert tracker.live == 0
 
 
-def test_run_schedule_rejects_interleaved_ops():
+def test_run_schedule_needs_chunks_for_interleaved_ops():
     stage = pipeline.Stage(build_model(CFG, 0), 0, 1)
     tokens, targets = make_batch(4, CFG, 0, 0)
     with pytest.raises(ValueError, match="one chunk"):
         pipeline.run_schedule(stage, S.interleaved(1, 2, 0, v=2), tokens, targets, 2)
+    with pytest.raises(ValueError, match="microbatch 4 is not one of 0..3"):
+        pipeline.run_schedule(stage, [S.F(4), S.B(4)], tokens, targets, 4)
 
 
 def test_single_rank_schedule_equals_reference():
@@ -154,3 +157,129 @@ def test_neighbours_that_order_microbatches_differently_get_a_clear_error():
 
     with pytest.raises(parlib.RankError, match=r"(?s)microbatch 1.*microbatch 0"):
         parlib.launch(pipeline_mixed_orders, world_size=2, timeout=60)
+
+
+# ------------------------------------------------- interleaved and split backward (ZB)
+
+CFG8 = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=8)
+EVERY_SCHEDULE = [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1)]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_schedule_equals_single_device(p):
+    from tests.helpers.pipeline_ranks import schedules_on_ranks
+
+    res = parlib.launch(schedules_on_ranks, CFG8, EVERY_SCHEDULE, world_size=p, timeout=90)
+    ref = verify.reference_step(CFG8, seed=0, batch_size=8)
+    for k, (name, _, _) in enumerate(EVERY_SCHEDULE):
+        assert res[-1][k]["loss"] == pytest.approx(ref["loss"], rel=1e-5), name
+        assert all(r[k]["loss"] is None for r in res[:-1])
+        got = runs.gather_grads([r[k] for r in res])
+        assert sorted(got) == sorted(ref["grads"]), name
+        same = verify.compare(got, ref["grads"])
+        assert same, (name, same)
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (2, 3)])
+def test_chunks_chain_to_the_full_model(p, v):
+    model = build_model(CFG8, 1)
+    tokens, _ = make_batch(4, CFG8, 0, 1)
+    chunks = {r: pipeline.chunk_stages(model, r, p, v) for r in range(p)}
+    x, names = tokens, []
+    for s in range(p * v):  # virtual stage s = c*p + r
+        stage = chunks[s % p][s // p]
+        assert (stage.rank, stage.p, stage.chunk) == (s, p * v, s // p)
+        assert stage.prev_rank == (None if s == 0 else (s - 1) % p)
+        assert stage.next_rank == (None if s == p * v - 1 else (s + 1) % p)
+        x = stage(x)
+    for r in range(p):
+        names += list(chunks[r].grads())
+    assert torch.equal(x, model(tokens))
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    with pytest.raises(ValueError, match="at least p\\*v blocks"):
+        pipeline.chunk_stages(build_model(CFG, 0), 0, 4, 2)  # 4 blocks, 8 chunks
+
+
+class _Seen(pipeline.PipelineHooks):
+    def __init__(self):
+        self.kinds = []
+
+    def compute(self, kind, mb, rows):
+        self.kinds.append((kind, mb))
+        return super().compute(kind, mb, rows)
+
+
+def test_split_backward_and_chunks_on_one_rank_equal_reference():
+    # p = 1, v = 2: both chunks on one rank (it passes its activations to itself), the
+    # backward split into B and W, Ws late; the hooks see every W
+    F, B, W = S.F, S.B, S.W
+    ops = [F(0), F(0, 1), F(1), B(0, 1), F(1, 1), B(0), B(1, 1), W(0, 1), B(1), W(0),
+           W(1, 1), W(1)]
+    from parlib.strategies.schedule_check import validate
+
+    validate({0: ops}, 1, 2, 2)
+    chunked = pipeline.chunk_stages(build_model(CFG, 0), 0, 1, 2)
+    tokens, targets = make_batch(8, CFG, 0, 0)
+    seen = _Seen()
+    loss = pipeline.run_schedule(chunked, ops, tokens, targets, 2, hooks=seen)
+    ref = verify.reference_step(CFG, seed=0, batch_size=8)
+    assert loss == pytest.approx(ref["loss"], rel=1e-5)
+    same = verify.compare(chunked.grads(), ref["grads"])
+    assert same, same
+    assert seen.kinds == [(op.kind, op.mb) for op in ops]
+    # a W that never comes leaves weight gradients missing: an error, not a silent step
+    with pytest.raises(RuntimeError, match="never run W"):
+        pipeline.run_schedule(chunked, ops[:-1], tokens, targets, 2)
+
+
+def test_run_pipeline_records_weight_spans_and_bytes():
+    res = runs.run_pipeline(CFG8, "zb-h1", 2, 4, batch_size=8, warmup=0, memory=True)
+    gp = runs.run_pipeline(CFG8, "gpipe", 2, 4, batch_size=8, warmup=0, memory=True)
+    ref = verify.reference_step(CFG8, seed=0, batch_size=8)
+    assert verify.compare(runs.gather_grads(res), ref["grads"])
+    nbytes = cost.boundary_bytes(8, CFG8.seq_len, CFG8.d_model)
+    for r in range(2):
+        kinds = [s.kind for s in res[r]["spans"][0] if s.kind in ("forward", "backward",
+                                                                   "weight")]
+        assert kinds == [op.kind for op in S.zb_h1(2, 4, r)]
+        assert res[r]["sent"] == {1 - r: nbytes} and res[r]["received"] == {1 - r: nbytes}
+        # ZB-H1 holds min(p, m) = 2 microbatches (F to W) on both ranks, GPipe all 4
+        ratio = res[r]["peak_saved"] / gp[r]["peak_saved"]
+        assert ratio == pytest.approx(2 / 4, abs=0.03), (r, ratio)
+
+
+def test_run_pipeline_interleaved_sends_each_boundary_once_each_way():
+    res = runs.run_pipeline(CFG8, "interleaved", 2, 4, v=2, batch_size=8, warmup=0)
+    ref = verify.reference_step(CFG8, seed=0, batch_size=8)
+    assert verify.compare(runs.gather_grads(res), ref["grads"])
+    nbytes = cost.boundary_bytes(8, CFG8.seq_len, CFG8.d_model)
+    # virtual stages 0 1 2 3 on ranks 0 1 0 1: 3 boundaries, each crossed both ways;
+    # rank 0 sends activations 0->1, 2->3 and the gradient 2->1
+    for r in range(2):
+        assert res[r]["sent"] == {1 - r: 3 * nbytes} == res[r]["received"]
+        chunks = {s.chunk for s in res[r]["spans"][0] if s.kind == "forward"}
+        assert chunks == {0, 1}
+
+
+def test_run_pipeline_rejects_a_bad_schedule_before_launching():
+    F, B = S.F, S.B
+    bad = {0: [F(0), B(0), F(1), B(1)], 1: [F(0), F(1), B(0), B(1)]}
+    from parlib.strategies.schedule_check import ScheduleError
+
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits at op 1"):
+        runs.run_pipeline(CFG, bad, 2, 2, timeout=5)
+    with pytest.raises(ScheduleError, match="multiple of p|never runs"):
+        runs.run_pipeline(CFG8, {0: [F(0), B(0)], 1: [F(0)]}, 2, 1)
+
+
+def test_emulated_split_and_chunk_costs():
+    stage_cost = StageCost(0.010, 0.020, 0.0)
+    hooks = runs.MeasuringHooks(0, None, stage_cost, v=2, split=True, weight_share=0.25)
+    want = {"forward": 0.5 * 0.010, "backward": 0.5 * 0.75 * 0.020, "weight": 0.5 * 0.25 * 0.020}
+    import time
+
+    for kind, seconds in want.items():
+        t0 = time.perf_counter()
+        with hooks.compute_op(Op(kind, 0, 1), 1):
+            pass
+        assert seconds <= time.perf_counter() - t0 < seconds + 0.05, kind

@@ -12,6 +12,7 @@ from parlib import verify
 from parlib.model import ModelConfig
 from parlib.strategies.schedule_check import ScheduleError, messages, validate
 from parlib.strategies.schedules import (
+    BACKWARD,
     FORWARD,
     SCHEDULES,
     B,
@@ -239,8 +240,14 @@ def test_every_accepted_schedule_runs_to_the_end_on_ranks():
     scheds.append({0: [F(0), F(1), F(0, 1), F(1, 1), B(0, 1), B(1, 1), B(0), B(1)],
                    1: [F(0), F(1), F(0, 1), F(1, 1), B(0, 1), B(1, 1), B(0), B(1)],
                    2: [F(0), F(1), F(0, 1), B(0, 1), F(1, 1), B(1, 1), B(0), B(1)]})
-    runs = [(s, m, 1) for s in scheds[:-1]] + [(scheds[-1], 2, 2)]
+    # interleaved with a split backward: each B followed by its W
+    split_chunks = {r: [x for op in ops for x in ([op, W(op.mb, op.chunk)]
+                                                  if op.kind == BACKWARD else [op])]
+                    for r, ops in all_ranks("interleaved", p, m, 2).items()}
+    runs = ([(s, m, 1) for s in scheds[:-1]] + [(scheds[-1], 2, 2)]
+            + [(split_chunks, m, 2)])
     validate(scheds[-1], p, 2, 2)
+    validate(split_chunks, p, m, 2)
     cfg = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=6)
     res = parlib.launch(schedules_on_ranks, cfg, runs, 6, world_size=p, timeout=90)
     ref = verify.reference_step(cfg, seed=0, batch_size=6)
@@ -263,3 +270,14 @@ def test_forward_before_backward_holds_for_every_rank_in_random_schedules():
             assert len(set(ops)) == len(ops) == 3 * (3 if split else 2)
             assert all(ops.index(F(op.mb)) < i for i, op in enumerate(ops)
                        if op.kind != FORWARD)
+
+
+def test_validator_is_pure_python():
+    import subprocess
+    import sys
+
+    code = ("import sys, parlib.strategies.schedule_check; "
+            "print('torch' in sys.modules, 'numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["False", "False"]
