@@ -409,3 +409,55 @@ def draw_balance_over_steps(curves: dict[str, Sequence[float]], window: int = 20
 
 
 __all__ += ["draw_balance_over_steps", "draw_expert_imbalance", "draw_tokens_per_expert"]
+
+# ---- the pipeline schedule lab: measured next to simulated timelines
+
+# A split backward's W (the weights' gradients): the backward family, darker than B.
+COLORS["weight"] = "#A0522D"
+
+
+def draw_schedule_lab(runs: Sequence[Any], caption: str = "", unit: str = "ms"):
+    """For each schedule, its measured timeline (left) next to its simulated one (right),
+    on one time axis per schedule, the formula's predicted step end dashed on both. ``runs``:
+    :class:`parlib.experiments.schedule_lab.LabRun` objects (anything with ``title``,
+    ``measured`` and ``simulated`` spans per rank, and ``prediction.step``). Forward,
+    backward and W (a split backward's weight gradients, darker) keep the course colours;
+    hatched boxes are a rank's second chunk. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from parlib.measure.timeline import makespan
+
+    runs = list(runs)
+    if not runs:
+        raise ValueError("no schedules to draw")
+    p = max(len(r.measured) for r in runs)
+    fig, axes = plt.subplots(len(runs), 2, figsize=(13, (0.45 * p + 1.0) * len(runs) + 1.2),
+                             squeeze=False, sharex="row")
+    for row, run in zip(axes, runs):
+        predicted = getattr(getattr(run, "prediction", None), "step", None)
+        for ax, spans, side in ((row[0], run.measured, "measured"),
+                                (row[1], run.simulated, "simulated")):
+            draw_timeline(spans, ax, unit=unit, ideal=predicted, legend=False,
+                          title=f"{run.title}: {side}")
+            ax.set_xlabel("")
+        row[0].set_xlabel(f"time ({unit})", fontsize=8)
+        row[1].set_xlabel(f"time ({unit})", fontsize=8)
+        right = max(makespan(run.measured), makespan(run.simulated), predicted or 0.0)
+        row[0].set_xlim(0, right * {"ms": 1e3, "s": 1.0, "t": 1.0}[unit] * 1.02)
+    handles = [Patch(color=COLORS["forward"], label="forward (F)"),
+               Patch(color=COLORS["backward"], label="backward (B)"),
+               Patch(color=COLORS["weight"], label="weight gradients (W)"),
+               Patch(facecolor="white", edgecolor="#777777", hatch="//",
+                     label="second chunk (interleaved)"),
+               Patch(color=COLORS["recv"], label="send / recv (thin strip)"),
+               Patch(color=COLORS["idle"], label="idle (bubble)"),
+               plt.Line2D([], [], color=COLORS["theory"], ls="--", label="predicted end")]
+    fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=8, frameon=False)
+    title = "Pipeline schedules, measured next to simulated (emulated stage cost)"
+    fig.suptitle(f"{title}\n{caption}" if caption else title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    return fig
+
+
+__all__ += ["draw_schedule_lab"]

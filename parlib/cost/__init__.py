@@ -73,16 +73,24 @@ from parlib.cost.memory import (
 )
 from parlib.cost.model import Model
 from parlib.cost.pipeline import (
+    HEADER_BYTES,
+    PIPELINE_SCHEDULES,
     best_microbatches,
     boundary_bytes,
     bubble_fraction,
     bubble_ratio,
+    critical_path_messages,
+    crossing_time,
     fixed_batch_step_time,
     ideal_step_time,
     imbalanced_step_time,
     in_flight_microbatches,
+    messages_per_rank,
     microbatch_time,
     min_microbatches,
+    op_times,
+    schedule_compute_time,
+    schedule_step_time,
 )
 from parlib.cost.planner import best_layouts, binding_constraint, candidate_layouts
 from parlib.cost.sharded import padded_numel, zero_sent_bytes_per_step
@@ -132,6 +140,15 @@ __all__ = [
     "tp_message_bytes",
     "tp_sent_bytes_per_layer",
     "zero_sent_bytes_per_step",
+    # the pipeline schedule lab
+    "HEADER_BYTES",
+    "PIPELINE_SCHEDULES",
+    "critical_path_messages",
+    "crossing_time",
+    "messages_per_rank",
+    "op_times",
+    "schedule_compute_time",
+    "schedule_step_time",
     # the experts chapter
     "ep_all_to_all_bytes_per_layer",
     "ep_count_bytes_per_layer",

@@ -7,6 +7,8 @@ the microbatches a stage holds in flight at p.
 
 from __future__ import annotations
 
+from parlib.cost.collectives import message_time
+
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     """Idle fraction of a pipeline step: (p-1) / (v*m + p-1).
@@ -106,6 +108,152 @@ def boundary_bytes(batch: int, seq_len: int, d_model: int, dtype_bytes: int = 4)
     return batch * seq_len * d_model * dtype_bytes
 
 
-__all__ = ["best_microbatches", "boundary_bytes", "bubble_fraction", "bubble_ratio",
+# ------------------------------------------------------------------ messages and step time
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+# The runner sends a small header (kind, microbatch, chunk: three int64) before each
+# payload, so that neighbours that disagree on the order fail loudly; it is a message too.
+HEADER_BYTES = 3 * 8
+
+
+def _check_schedule(name: str, p: int, m: int, v: int) -> None:
+    if name not in PIPELINE_SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; pick one of {PIPELINE_SCHEDULES}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"need p, m, v >= 1, got p={p}, m={m}, v={v}")
+    if name == "interleaved" and m % p:
+        raise ValueError(f"the interleaved schedule needs m to be a multiple of p "
+                         f"(m={m}, p={p})")
+    if name != "interleaved" and v != 1:
+        raise ValueError(f"{name} runs one model chunk per rank: v must be 1, got v={v}")
+
+
+def messages_per_rank(name: str, p: int, m: int, v: int = 1, *,
+                      headers: bool = False) -> dict[int, int]:
+    """Point-to-point messages each rank sends in one step: ``{rank: count}``.
+
+    Every forward sends its activation on and every backward (B; a W sends nothing) sends
+    its input's gradient back, except at the model's two ends: rank r sends m activations
+    unless it holds the last stage and m gradients unless it holds the first, so 1F1B,
+    GPipe and ZB-H1 give m, 2m, ..., 2m, m. With v chunks per rank each rank holds v
+    virtual stages and sends v times as many: 2vm, less m on the first and the last rank.
+    ``headers``: count the runner's header message before each payload too (twice as many).
+    Example: p = 4, m = 8 gives {0: 8, 1: 16, 2: 16, 3: 8}; interleaved v = 2 {0: 24, 1: 32,
+    2: 32, 3: 24}.
+    """
+    _check_schedule(name, p, m, v)
+    per_header = 2 if headers else 1
+    if p == 1 and v == 1:
+        return {0: 0}
+    out = {}
+    for r in range(p):
+        sends = 2 * v * m - (m if r == 0 else 0) - (m if r == p - 1 else 0)
+        out[r] = sends * per_header
+    return out
+
+
+def critical_path_messages(name: str, p: int, m: int, v: int = 1) -> int:
+    """Boundary crossings on a step's critical path: how many message times a step of
+    ``name`` takes longer than its compute alone, when a crossing takes c, at most half the
+    shortest op (read off the longest path of the simulator's replay with message time c,
+    and equal to it for p = 2..5, m = 1..12 and several op times; see the tests).
+
+    * GPipe: 2(p - 1), whatever m: the first microbatch crosses p - 1 boundaries going
+      forward and its gradient p - 1 coming back; every later one queues behind it, so its
+      messages overlap the compute of the microbatch ahead.
+    * 1F1B: 2(p - 1) + 2 floor((p - 1)(m - 1)/p). Each rank may hold only p microbatches,
+      so in the steady state a stage waits for gradients: the loop from stage 0 to the last
+      stage and back crosses 2(p - 1) boundaries and carries p microbatches, about
+      2(p - 1)/p crossings per microbatch after the first. Grows with m.
+    * Interleaved (v chunks): 2(vp - 1): the fill and drain of a pipeline of vp virtual
+      stages, v times as many boundaries as GPipe's (less the model's ends). The staggered
+      warm-up keeps a chunk of work ready while a message travels, so it does not grow with m.
+    * ZB-H1: 1F1B's count, but at most 4(p - 1): the deferred W ops fill the waits of the
+      steady state, so once m > p no more crossings are added.
+
+    Each crossing in the runner is a header and then the payload, received one after the
+    other: charge :func:`crossing_time` per crossing.
+    """
+    _check_schedule(name, p, m, v)
+    if name == "gpipe":
+        return 2 * (p - 1)
+    if name == "interleaved":
+        return 2 * (v * p - 1)
+    one_f_one_b = 2 * (p - 1) + 2 * ((p - 1) * (m - 1) // p)
+    if name == "1f1b":
+        return one_f_one_b
+    return min(one_f_one_b, 4 * (p - 1))
+
+
+def crossing_time(payload_bytes: float, alpha: float, beta: float,
+                  header_bytes: float = HEADER_BYTES) -> float:
+    """Time one boundary crossing of the runner takes: its header message then its payload
+    message, each alpha + beta x bytes (chapter 00's model, ``message_time``)."""
+    if payload_bytes < 0 or alpha < 0 or beta < 0:
+        raise ValueError(f"need bytes, alpha, beta >= 0, got {payload_bytes}, {alpha}, {beta}")
+    return message_time(header_bytes, alpha, beta) + message_time(payload_bytes, alpha, beta)
+
+
+def schedule_compute_time(name: str, p: int, m: int, t_f: float, t_b: float,
+                          t_w: float = 0.0, v: int = 1) -> float:
+    """Step time of ``name`` with instant messages; t_f, t_b, t_w: the time of one F, B and
+    W op (one microbatch on one chunk; t_b is the full backward, or only the input's
+    gradient for ZB-H1, whose W takes t_w).
+
+    * GPipe, 1F1B: (m + p - 1)(t_f + t_b): every rank works m of m + p - 1 slots.
+    * Interleaved: (vm + p - 1)(t_f + t_b): vm ops per rank, each 1/v of a stage's work,
+      so the fill costs (p - 1)/v of a stage's slot.
+    * ZB-H1: (m + p - 1)(t_f + t_b) + max(1, m - p + 1) t_w: the Ws of the first p - 1
+      microbatches fill the bubble of the cool-down; only the last rank's remaining Ws
+      (and, for m <= p, one W on the first rank at the very end) add to the step.
+    """
+    _check_schedule(name, p, m, v)
+    if min(t_f, t_b, t_w) < 0:
+        raise ValueError(f"op times must be >= 0, got t_f={t_f}, t_b={t_b}, t_w={t_w}")
+    if name == "interleaved":
+        return (v * m + p - 1) * (t_f + t_b)
+    base = (m + p - 1) * (t_f + t_b)
+    if name == "zb-h1":
+        return base + max(1, m - p + 1) * t_w
+    return base
+
+
+def schedule_step_time(name: str, p: int, m: int, t_f: float, t_b: float, t_w: float = 0.0,
+                       v: int = 1, t_cross: float = 0.0) -> float:
+    """Predicted step time of ``name``: :func:`schedule_compute_time` plus
+    :func:`critical_path_messages` x ``t_cross`` (the time of one boundary crossing,
+    :func:`crossing_time`). Equals the simulator's step while t_cross is at most half the
+    shortest op; a slower link turns more of the schedule into waiting (more crossings
+    surface). The messages count here as latency between ranks; CPU time a rank itself
+    spends in a send or receive is not in it."""
+    if t_cross < 0:
+        raise ValueError(f"t_cross must be >= 0, got {t_cross}")
+    return (schedule_compute_time(name, p, m, t_f, t_b, t_w, v)
+            + critical_path_messages(name, p, m, v) * t_cross)
+
+
+def op_times(batch: int, m: int, forward: float, backward: float, per_call: float = 0.0,
+             v: int = 1, weight_share: float = 0.0) -> tuple[float, float, float]:
+    """(t_f, t_b, t_w) of one op when a batch of ``batch`` rows is cut into m microbatches
+    under the emulated stage cost: a stage's forward of b rows takes b x ``forward`` +
+    ``per_call`` seconds and its backward b x ``backward`` + ``per_call``. An op of one of
+    v chunks takes 1/v of that (per-call part included: the chunk is a v-th of the stage);
+    ``weight_share`` > 0 splits the backward into B, (1 - share) of it, and W, the rest.
+    Example: B = 8, m = 4, 10 / 20 ms per row, 2 ms per call: (22 ms, 42 ms, 0)."""
+    if batch % m:
+        raise ValueError(f"a batch of {batch} rows does not split into m={m} microbatches")
+    if v < 1:
+        raise ValueError(f"v must be >= 1, got {v}")
+    if not 0 <= weight_share < 1:
+        raise ValueError(f"weight_share must be in [0, 1), got {weight_share}")
+    rows = batch / m
+    t_f = microbatch_time(rows, forward, per_call) / v
+    full_backward = microbatch_time(rows, backward, per_call) / v
+    return t_f, full_backward * (1 - weight_share), full_backward * weight_share
+
+
+__all__ = ["HEADER_BYTES", "PIPELINE_SCHEDULES", "best_microbatches", "boundary_bytes",
+           "bubble_fraction", "bubble_ratio", "critical_path_messages", "crossing_time",
            "fixed_batch_step_time", "ideal_step_time", "imbalanced_step_time",
-           "in_flight_microbatches", "microbatch_time", "min_microbatches"]
+           "in_flight_microbatches", "messages_per_rank", "microbatch_time",
+           "min_microbatches", "op_times", "schedule_compute_time", "schedule_step_time"]

@@ -9,7 +9,7 @@ import pytest
 
 from parlib.cost import bubble_fraction
 from parlib.course.check import check, explain
-from parlib.course.questions.ch04 import GPIPE_SOLUTION
+from parlib.course.questions.ch04 import GPIPE_SOLUTION, ONE_F_ONE_B_SOLUTION, ZB_H1_SOLUTION
 from parlib.course.registry import questions
 from tests.helpers.learner_code import learner as define_learner
 
@@ -215,3 +215,256 @@ def test_gpipe_wrong_answer_reaches_its_diagnosis(name):
     r = check("04.gpipe", gpipe(**changes))
     assert r.status == "failed", r
     assert r.diagnosis == name and hint in r.message, (r.diagnosis, r.message)
+
+
+# --------------------------------------------------------------------------- schedules as data
+
+SCHEDULE_PRELUDE = "from parlib.strategies.schedules import F, B, W\n"
+
+
+def as_learner(src, name):
+    return define_learner(src, name, prelude=SCHEDULE_PRELUDE)
+
+
+def mutant(solution, name, **changes):
+    """The worked answer with each ``old=new`` text change applied (each old text once)."""
+    src = solution
+    for old, new in changes.values():
+        assert src.count(old) == 1, f"the worked answer no longer has {old!r} once"
+        src = src.replace(old, new)
+    return as_learner(src, name)
+
+
+def validator_message(fn, p, m):
+    from parlib.strategies.schedule_check import ScheduleError, validate
+
+    try:
+        validate({r: fn(p, m, r) for r in range(p)}, p, m)
+    except ScheduleError as err:
+        return str(err)
+    return None
+
+
+def one_f_one_b(**changes):
+    return mutant(ONE_F_ONE_B_SOLUTION, "one_f_one_b", **changes)
+
+
+WARMUP = "warmup = min(p - 1 - rank, m)"
+STEADY = "ops += [F(warmup + i), B(i)]"
+DRAIN = "range(m - warmup, m)]"
+RETURN = "    return ops\n"
+GPIPE_AS_DATA = "    return [F(i) for i in range(m)] + [B(i) for i in reversed(range(m))]\n"
+
+# One wrong answer per diagnosis of 04.one_f_one_b, and a part of the hint it must give.
+ONE_F_ONE_B_MUTANTS = {
+    "not_ops": ({"x": (RETURN, "    return [repr(op) for op in ops]\n")}, "return a list of Op"),
+    # no cap at m: with m = 2 < p - 1 rank 0 runs F2
+    "microbatch_beyond_m": ({"x": (WARMUP, "warmup = p - 1 - rank")}, "cap it at m"),
+    # warm-up of `rank` forwards: rank 0 starts a backward its neighbour cannot feed
+    "deadlock": ({"x": (WARMUP, "warmup = min(rank, m)")}, "p - 1 - rank warm-up forwards"),
+    "gradient_before_forward": ({"x": (STEADY, "ops += [B(i), F(warmup + i)]")},
+                                "F(warmup + i), B(i)"),
+    # the cool-down's backwards last-first: the neighbours' gradients arrive out of order
+    "microbatch_order": ({"x": ("[B(i) for i in range(m - warmup, m)]",
+                                "[B(i) for i in reversed(range(m - warmup, m))]")},
+                         "same microbatch order"),
+    "skipped_backward": ({"x": (DRAIN, "range(m - warmup + 1, m)]")},
+                         "needs its backward on every rank"),
+    "repeated_op": ({"x": (DRAIN, "range(m - warmup - 1, m)]")}, "runs once"),
+    "invalid": ({"x": ("[F(i) for i in range(warmup)]", "[F(i, 1) for i in range(warmup)]")},
+                "the validator says"),
+    # GPipe handed in: valid, but m microbatches on every rank
+    "holds_every_microbatch": ({"x": (RETURN, GPIPE_AS_DATA)}, "that is GPipe's memory"),
+    "warmup_one_too_many": ({"x": (WARMUP, "warmup = min(p - rank, m)")},
+                            "not p - rank"),
+    "warmup_too_short": ({"x": (WARMUP, "warmup = min(max(p - 2 - rank, 0), m)")},
+                         "ranks wait: the simulated step takes"),
+    # the same warm-up on every rank: too much on the last ranks, right on the first
+    "wrong_peak": ({"x": (WARMUP, "warmup = min(p - 1, m)")}, "rank r holds at most p - r"),
+}
+
+
+def test_one_f_one_b_worked_answer_passes():
+    t0 = time.monotonic()
+    r = check("04.one_f_one_b", as_learner(ONE_F_ONE_B_SOLUTION, "one_f_one_b"))
+    assert r.passed, r
+    assert time.monotonic() - t0 < 40
+
+
+def test_every_one_f_one_b_diagnosis_has_a_wrong_answer():
+    names = questions("04")["04.one_f_one_b"].diagnosis_names()
+    assert sorted(ONE_F_ONE_B_MUTANTS) == sorted(names)
+
+
+@pytest.mark.parametrize("name", sorted(ONE_F_ONE_B_MUTANTS))
+def test_one_f_one_b_wrong_answer_reaches_its_diagnosis(name):
+    changes, hint = ONE_F_ONE_B_MUTANTS[name]
+    r = check("04.one_f_one_b", one_f_one_b(**changes))
+    assert r.status == "failed", r
+    assert r.diagnosis == name and hint in r.message, (r.diagnosis, r.message)
+
+
+def test_one_f_one_b_deadlock_hint_quotes_the_validator():
+    fn = one_f_one_b(**ONE_F_ONE_B_MUTANTS["deadlock"][0])
+    said = validator_message(fn, 2, 4)
+    assert said and "deadlock" in said and "(B0)" in said
+    r = check("04.one_f_one_b", fn)
+    assert said in r.message and "with p = 2, m = 4" in r.message
+
+
+def test_one_f_one_b_peaks_name_the_numbers():
+    r = check("04.one_f_one_b", one_f_one_b(x=(RETURN, GPIPE_AS_DATA)))
+    assert "with p = 2, m = 4" in r.message and "[4, 4], 1F1B's [2, 1]" in r.message
+
+
+def test_one_f_one_b_compares_the_ranks_gradients():
+    # every schedule the validator accepts trains right, so no answer reaches this; the
+    # comparison itself must still be able to fail
+    import torch
+
+    from parlib.course.on_ranks import Case
+    from parlib.course.questions.ch04.schedules import _first_wrong
+
+    ok = {"problem": None, "grads": {"w": torch.ones(2)}}
+    wrong = {"problem": None, "grads": {"w": torch.tensor([1.0, 1.1])}}
+    ref = {"grads": {"w": torch.ones(2)}}
+    assert _first_wrong(Case(2, [ok, ok], ref)) is None
+    assert _first_wrong(Case(2, [ok, wrong], ref)) == (1, "gradients")
+
+
+def test_one_f_one_b_stub_not_attempted(capsys):
+    def one_f_one_b(p, m, rank):
+        raise NotImplementedError
+
+    assert check("04.one_f_one_b", one_f_one_b).status == "not attempted"
+    explain("04.one_f_one_b")
+    assert "warmup" not in capsys.readouterr().out
+
+
+def zb(**changes):
+    return mutant(ZB_H1_SOLUTION, "zb_h1", **changes)
+
+
+LATE = "if len(late) > rank:"
+ZB_RETURN = "    return ops + [W(i) for i in late]\n"
+ZB_B = "        ops.append(B(i))\n        late.append(i)\n"
+
+ZB_MUTANTS = {
+    "not_ops": ({"x": (ZB_RETURN, "    return [str(op) for op in ops]\n")},
+                "return a list of Op"),
+    # the W's if moved above the B it belongs to
+    "weight_before_backward": ({"x": (ZB_B, "        late.append(i)\n"),
+                                "y": ("            ops.append(W(late.pop(0)))\n",
+                                      "            ops.append(W(late.pop(0)))\n"
+                                      "        ops.append(B(i))\n")},
+                               "only after B(i) on the same rank"),
+    "weight_missing": ({"x": (ZB_RETURN, RETURN)}, "needs its W on every rank"),
+    "deadlock": ({"x": ("warmup = min(p - 1 - rank, m)", "warmup = min(rank, m)")},
+                 "only the W are yours to place"),
+    "invalid": ({"x": ("ops.append(W(late.pop(0)))", "ops.append(W(late.pop(0), 1))")},
+                "the validator says"),
+    "unsplit": ({"x": (ZB_RETURN, "    return [op for op in ops if op.kind != 'weight']\n")},
+                "this is 1F1B again"),
+    "weights_at_the_end": ({"x": (LATE, "if False:")}, "runs every W at the end"),
+    "too_much_memory": ({"x": (LATE, "if len(late) > rank + 1:")}, "put off too long"),
+    "w_right_behind_its_b": ({"x": (LATE, "if len(late) > 0:")}, "every W runs right behind"),
+    "bubble_too_large": ({"x": (LATE, "if len(late) > rank // 2:")}, "slower than ZB-H1"),
+}
+
+
+def test_zb_h1_worked_answer_passes():
+    r = check("04.zb_h1", as_learner(ZB_H1_SOLUTION, "zb_h1"))
+    assert r.passed, r
+
+
+def test_zb_h1_library_schedule_passes_too():
+    from parlib.strategies.schedules import zb_h1
+
+    def mine(p, m, rank):
+        return zb_h1(p, m, rank)
+
+    assert check("04.zb_h1", mine).passed
+
+
+def test_every_zb_h1_diagnosis_has_a_wrong_answer():
+    assert sorted(ZB_MUTANTS) == sorted(questions("04")["04.zb_h1"].diagnosis_names())
+
+
+@pytest.mark.parametrize("name", sorted(ZB_MUTANTS))
+def test_zb_h1_wrong_answer_reaches_its_diagnosis(name):
+    changes, hint = ZB_MUTANTS[name]
+    r = check("04.zb_h1", zb(**changes))
+    assert r.status == "failed", r
+    assert r.diagnosis == name and hint in r.message, (r.diagnosis, r.message)
+
+
+def test_zb_h1_weight_before_backward_hint_names_the_op():
+    fn = zb(**ZB_MUTANTS["weight_before_backward"][0])
+    said = validator_message(fn, 4, 8)
+    assert said and "W0" in said
+    assert said in check("04.zb_h1", fn).message
+
+
+def test_new_numeric_questions_accept_the_answer_and_name_the_mistakes():
+    from parlib import cost
+
+    assert check("04.interleaved_bubble", 3 / 19).passed
+    assert check("04.interleaved_bubble", cost.bubble_fraction(4, 8, 2)).passed
+    assert "one chunk per rank" in check("04.interleaved_bubble", 3 / 11).message
+    assert "relative to the" in check("04.interleaved_bubble", 3 / 16).message
+    assert check("04.interleaved_messages", 64).passed
+    assert "p v - 1 boundaries" in check("04.interleaved_messages", 48).message
+    assert "total" in check("04.interleaved_messages", 112).message
+    assert "header" in check("04.interleaved_messages", 128).message
+    # ZB-H1 with t_f = 1, t_b = 2, t_w = 0.8 ms: (p-1)(t_f + t_b - 2 t_w) of 1F1B's
+    # (p-1)(t_f + t_b), worked by hand: 1 - 1.4 / 3
+    assert check("04.zb_removed", 1 - 1.4 / 3).passed
+    assert "share of 1F1B's bubble that is left" in check("04.zb_removed", 1.4 / 3).message
+    assert "same time" in check("04.zb_removed", 2 / 3).message
+    assert "twice" in check("04.zb_removed", 0.8 / 3).message
+    assert check("04.schedule_for_memory", "b").passed
+    for wrong in "ACD":
+        assert check("04.schedule_for_memory", wrong).status == "failed"
+    assert "more than 8" in check("04.schedule_for_memory", "D").message
+
+
+def test_memory_choice_facts_hold():
+    # the interleaved schedule holds more than the limit of 4 stage-microbatches on rank 0
+    # (11 chunk-microbatches of half a stage), ZB-H1 and 1F1B hold 4, GPipe 16
+    from parlib.strategies.schedules import all_ranks, peak_in_flight
+
+    def peak(name):
+        return max(peak_in_flight(ops) for ops in all_ranks(name, 4, 16, 2).values())
+
+    assert peak("interleaved") / 2 > 4 and peak("interleaved") > 8
+    assert peak("zb-h1") == peak("1f1b") == 4 and peak("gpipe") == 16
+
+
+def test_zb_removed_matches_the_simulated_timelines():
+    # the cost formula behind 04.zb_removed and the simulator agree on these op times
+    from parlib.experiments.simulate import simulate
+    from parlib.measure.timeline import makespan
+
+    idle = {name: makespan(simulate(name, 4, 8, t_f=1.0, t_b=2.0, t_w=0.8)) - 8 * 3.0
+            for name in ("1f1b", "zb-h1")}
+    assert idle["1f1b"] == pytest.approx(9.0) and idle["zb-h1"] == pytest.approx(4.2)
+    assert check("04.zb_removed", 1 - idle["zb-h1"] / idle["1f1b"]).passed
+
+
+def test_part_two_prose_matches_the_formulas():
+    from parlib import cost
+    from parlib.strategies.schedules import all_ranks, peaks
+
+    text = " ".join(" ".join(_notebook_sources("markdown")).split())
+    # section 11: p = 4, m = 4, v = 2
+    assert cost.bubble_fraction(4, 4) == 3 / 7 and cost.bubble_fraction(4, 4, 2) == 3 / 11
+    assert "(p-1)/(m+p-1) = 3/7 to (p-1)/(v m+p-1) = 3/11" in text
+    sent = (cost.messages_per_rank("interleaved", 4, 4, 2)[1],
+            cost.messages_per_rank("1f1b", 4, 4)[1])
+    assert sent == (16, 8) and "2 v m = 16 messages per step instead of 2m = 8" in text
+    assert cost.critical_path_messages("interleaved", 4, 4, 2) == 2 * (4 * 2 - 1)
+    # section 12: ZB-H1 holds p on every rank, 1F1B's first-rank peak
+    assert set(peaks(all_ranks("zb-h1", 4, 4)).values()) == {4}
+    assert "rank r now holds p microbatches instead of p - r" in text
+    # section 13: the hand-written schedule is 1F1B with the backward split
+    assert "no rank waits forever" in text

@@ -3,7 +3,14 @@ boundary bytes, more stages, the data-parallel sync of a pipeline."""
 
 from __future__ import annotations
 
-from parlib.cost import bubble_fraction, min_microbatches, predicted_sent_bytes
+from parlib.cost import (
+    bubble_fraction,
+    bubble_ratio,
+    messages_per_rank,
+    min_microbatches,
+    predicted_sent_bytes,
+    schedule_compute_time,
+)
 from parlib.course.question_types import Choice, Numeric
 from parlib.course.registry import register
 
@@ -249,5 +256,191 @@ register(Choice(
              "stage 2's layers?",
         "D": "send and recv in a pipeline move activations and their gradients along one "
              "copy; which ranks hold the same parameters?",
+    },
+))
+
+
+# --------------------------------------------------------------------------- part two: schedules
+
+_P_IL, _M_IL, _V_IL = 4, 8, 2
+
+register(Numeric(
+    "04.interleaved_bubble",
+    bubble_fraction(_P_IL, _M_IL, _V_IL),
+    prompt="""
+        p = 4 ranks, m = 8 microbatches, and each rank now holds v = 2 model chunks
+        (interleaved 1F1B: rank r holds virtual stages r and r + 4, each half of its old
+        stage's layers). In the ideal timeline (equal chunk times, instant messages), what
+        fraction of the step is a rank idle? Give a number between 0 and 1.
+    """,
+    working=f"""
+        Count in slots of one chunk's forward + backward of one microbatch: half a stage's
+        slot. A rank has v x m = 16 such slots of work per step. The fill and the drain
+        still take p - 1 = 3 slots, but of a chunk, not of a whole stage, so the step lasts
+        v m + p - 1 = 19 chunk slots:
+
+        bubble = (p - 1) / (v m + p - 1) = 3 / 19 = **{bubble_fraction(_P_IL, _M_IL, _V_IL):.4f}**,
+
+        against 3/11 = {bubble_fraction(_P_IL, _M_IL):.4f} with one chunk per rank. Relative to the
+        ideal time, the bubble went from (p-1)/m = {bubble_ratio(_P_IL, _M_IL):.3f} to
+        (p-1)/(v m) = {bubble_ratio(_P_IL, _M_IL, _V_IL):.4f}: divided by v.
+    """,
+    mistakes={
+        bubble_fraction(_P_IL, _M_IL): "that is 1F1B's bubble with one chunk per rank: with v "
+                                       "chunks each fill/drain slot lasts 1/v as long",
+        bubble_ratio(_P_IL, _M_IL, _V_IL): "3/16 = (p-1)/(v m) is the bubble relative to the "
+                                           "ideal (bubble-free) time; the question asks for "
+                                           "the fraction of the whole step",
+        bubble_fraction(_P_IL, _M_IL) / _V_IL: "the bubble time is divided by v, but so the "
+                                               "step is shorter too: recount the step in "
+                                               "chunk slots",
+        bubble_fraction(_P_IL * _V_IL, _M_IL): "the fill takes p - 1 chunk slots, not "
+                                               "p v - 1: the ranks work on the first chunks "
+                                               "of the next microbatches meanwhile",
+    },
+))
+
+
+# activations and gradients sent in one step by all ranks together (headers not counted)
+_MSG_1F1B = sum(messages_per_rank("1f1b", _P_IL, _M_IL).values())
+_MSG_IL = sum(messages_per_rank("interleaved", _P_IL, _M_IL, _V_IL).values())
+
+register(Numeric(
+    "04.interleaved_messages",
+    _MSG_IL - _MSG_1F1B,
+    rtol=0.0,
+    unit="messages",
+    prompt="""
+        The same pipeline (p = 4, m = 8) runs interleaved 1F1B with v = 2 chunks per rank
+        instead of 1F1B. Count the point-to-point messages of one step, all ranks
+        together: each activation sent forward and each gradient sent back is one message
+        (leave out any small header the runner sends with it). How many more messages does
+        the interleaved step send than the 1F1B step? Give a whole number.
+    """,
+    working=f"""
+        With one chunk per rank the model has p - 1 = 3 boundaries; each of the m = 8
+        microbatches crosses each of them once forward and once back:
+        2 x m x (p - 1) = {_MSG_1F1B} messages.
+
+        With v = 2 chunks per rank the model is cut into p v = 8 virtual stages, so it has
+        p v - 1 = 7 boundaries (rank 3's first chunk hands on to rank 0's second chunk: that
+        boundary counts too): 2 x m x (p v - 1) = {_MSG_IL} messages.
+
+        The interleaved step sends **{_MSG_IL - _MSG_1F1B}** more, {_MSG_IL / _MSG_1F1B:.2f} x as
+        many: about v times as many, each half as large (a chunk's output is the same
+        b x s x h activation). Total bytes grow by the same factor; where a message has a
+        fixed latency the extra count costs time too.
+    """,
+    mistakes={
+        _MSG_IL: f"that is the interleaved step's total; the question asks how many more "
+                 f"than 1F1B's {_MSG_1F1B}",
+        (_V_IL - 1) * _MSG_1F1B: "that assumes v times as many messages as 1F1B, v (p - 1) "
+                                 "boundaries; the model cut in p v virtual stages has "
+                                 "p v - 1 boundaries: the one from the last rank back to "
+                                 "the first counts too",
+        (_MSG_IL - _MSG_1F1B) // 2: "count both directions: each activation sent forward has "
+                                    "a gradient sent back",
+        2 * (_MSG_IL - _MSG_1F1B): "leave out the header: count one message per activation or "
+                                   "gradient",
+    },
+))
+
+
+def _idle_per_rank(name: str, p: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    """A rank's idle time per step under ``name`` (t_b the full backward, t_w its weight
+    part): the predicted step with instant messages less the rank's own work."""
+    if name == "zb-h1":  # its B op is the input-gradient part only
+        step = schedule_compute_time(name, p, m, t_f, t_b - t_w, t_w)
+    else:
+        step = schedule_compute_time(name, p, m, t_f, t_b)
+    return step - m * (t_f + t_b)
+
+
+_P_ZB, _M_ZB, _TF, _TB, _TW = 4, 8, 1.0, 2.0, 0.8
+_IDLE_1F1B = _idle_per_rank("1f1b", _P_ZB, _M_ZB, _TF, _TB, _TW)
+_IDLE_ZB = _idle_per_rank("zb-h1", _P_ZB, _M_ZB, _TF, _TB, _TW)
+_IDLE_ZB_EQUAL = _idle_per_rank("zb-h1", _P_ZB, _M_ZB, _TF, _TB, _TB / 2)
+
+register(Numeric(
+    "04.zb_removed",
+    1 - _IDLE_ZB / _IDLE_1F1B,
+    prompt="""
+        p = 4 stages, m = 8 microbatches. On one stage a microbatch's forward takes
+        t_f = 1 ms and its full backward t_b = 2 ms, of which t_w = 0.8 ms computes the
+        weight gradients and 1.2 ms the input gradient. ZB-H1 splits the backward into
+        B (input gradient) and W (weight gradients) and moves the W into the bubble,
+        keeping 1F1B's memory. What fraction of 1F1B's bubble (a rank's idle time per
+        step) does ZB-H1 remove? Give a number between 0 and 1.
+    """,
+    working=f"""
+        1F1B's idle time per rank is p - 1 = 3 slots of a stage's forward + full backward:
+        3 x (1 + 2) = **{_IDLE_1F1B:g} ms**.
+
+        ZB-H1 (Qi et al., 2023) shortens it twice. The gradient that travels back now
+        leaves after B (t_b - t_w = 1.2 ms) instead of the full backward, and each rank
+        fills the waits of the cool-down with its deferred W: each of the p - 1 slots loses
+        t_w twice, leaving 3 x (1 + 2 - 2 x 0.8) = **{_IDLE_ZB:g} ms** (what
+        `parlib.cost.schedule_compute_time` predicts, and the simulator draws for
+        `schedules.zb_h1`).
+
+        Removed: 1 - {_IDLE_ZB:g} / {_IDLE_1F1B:g} = **{1 - _IDLE_ZB / _IDLE_1F1B:.4f}**, i.e.
+        2 t_w / (t_f + t_b). With B and W equal to the forward (t_w = 1 ms) it would remove
+        {1 - _IDLE_ZB_EQUAL / _IDLE_1F1B:.3f}, leaving a third of the bubble, as the paper says.
+    """,
+    mistakes={
+        _IDLE_ZB / _IDLE_1F1B: "that is the share of 1F1B's bubble that is left; the "
+                               "question asks for the share removed",
+        1 - _IDLE_ZB_EQUAL / _IDLE_1F1B: "2/3 holds when B, W and F all take the same time; "
+                                         "here t_w = 0.8 ms of the 2 ms backward",
+        _TW / (_TF + _TB): "the W are moved out of each of the p - 1 slots, and the gradient "
+                           "also travels back sooner (after B, not after B + W): t_w counts "
+                           "twice per slot",
+        _IDLE_1F1B - _IDLE_ZB: "give a fraction of 1F1B's bubble, not the time in ms",
+    },
+))
+
+_P_MEM, _M_MEM, _LIMIT = 4, 16, 4
+
+
+def _schedule_peak(name: str, p: int, m: int, v: int = 2) -> int:
+    from parlib.strategies.schedules import all_ranks, peak_in_flight
+
+    return max(peak_in_flight(ops) for ops in all_ranks(name, p, m, v).values())
+
+
+_PEAKS = {name: _schedule_peak(name, _P_MEM, _M_MEM)
+          for name in ("gpipe", "1f1b", "zb-h1", "interleaved")}
+_IL_PEAK, _IL_BUBBLE = _PEAKS["interleaved"], bubble_fraction(_P_MEM, _M_MEM, 2)
+
+register(Choice(
+    "04.schedule_for_memory",
+    "B",
+    options={
+        "A": "GPipe: it keeps every microbatch until the flush, so it never stalls.",
+        "B": "ZB-H1: it keeps 1F1B's peak and fills the cool-down with the W.",
+        "C": "1F1B: no schedule with this bubble holds fewer than p microbatches.",
+        "D": "Interleaved 1F1B, v = 2: it divides the bubble by v at the same peak.",
+    },
+    prompt="""
+        p = 4 stages, m = 16 microbatches. Each rank has room for the saved activations of
+        at most 4 microbatches of its stage (a chunk of an interleaved schedule holds half a
+        stage's layers, so one of its microbatches counts as half). Of the schedules that
+        fit, which has the smallest bubble? Give one letter.
+    """,
+    working=f"""
+        **B**. Count the peak on the first rank, which holds the most. GPipe holds all
+        m = {_PEAKS['gpipe']} microbatches: it does not fit. 1F1B holds p = {_PEAKS['1f1b']}: it
+        fits, with a bubble of {bubble_fraction(_P_MEM, _M_MEM):.3f} of the step. ZB-H1 holds
+        the same {_PEAKS['zb-h1']} (a microbatch counts until its W, and each W runs before
+        the next forward) and its bubble is about a third of 1F1B's (t_f = B = W). Interleaved
+        1F1B with v = 2 would have the smallest bubble ({_IL_BUBBLE:.3f}), but its first rank
+        holds {_IL_PEAK} chunk-microbatches, {_IL_PEAK / 2:g} stage-microbatches' worth: its
+        longer warm-up does not fit in 4.
+    """,
+    hints={
+        "A": "GPipe holds the activations of all m microbatches at its peak: does 16 fit in 4?",
+        "C": "1F1B fits, but another schedule holds exactly as much and waits less",
+        "D": "count the interleaved schedule's warm-up forwards on rank 0: each chunk "
+             "microbatch counts half, but there are more than 8 of them",
     },
 ))
