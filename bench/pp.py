@@ -8,7 +8,9 @@ backward (``--weight-share`` for W). The batch B is the same for every m. The th
 (parlib.cost.schedule_step_time) is each schedule's compute, e.g. (m + p - 1)(B/m c + o)
 for GPipe and 1F1B, plus every boundary crossing on the critical path (a header and a
 payload message, each alpha + beta x bytes with the link's fitted alpha and beta:
-parlib.measure.links, the launching chapter's fit or a quick one made now). Gradients are
+parlib.measure.links, the launching chapter's fit or a quick one made now), plus the time
+each rank spends in its own sends and receives, serial with its compute (one crossing's
+time each: a receive and a send per op inside the pipeline), which grows with the ops. Gradients are
 checked against the single-device model first; each row is the median of the repeats after
 one warm-up step, with the fastest and slowest repeat; messages are the send spans the
 runner recorded, against parlib.cost.messages_per_rank; "late ops" are the ops whose real
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"link: alpha {link.alpha * 1e6:.0f} us, beta {link.beta * 1e9:.3f} ns/B ({source}); "
           f"a crossing is a {cost.HEADER_BYTES} B header + the payload")
     print(f"median of {args.repeats} after 1 warm-up step (fastest-slowest); theory = compute "
-          f"+ crossings on the critical path; late ops: ops of the median step that outlast "
+          f"+ crossings on the critical path + each op's own receive and send (the (msgs) "
+          f"column: both); late ops: ops of the median step that outlast "
           f"their emulated time by over 1 ms (real compute overran: a loaded machine)")
     print(f"{'schedule':<16}{'m':>3}{'theory ms':>11}{'(msgs)':>8}{'measured ms':>13}"
           f"{'(min-max)':>13}{'ratio':>7}{'bubble':>8}{'theory':>8}{'sends':>7}{'theory':>8}"

@@ -218,17 +218,32 @@ def schedule_compute_time(name: str, p: int, m: int, t_f: float, t_b: float,
     return base
 
 
+def messages_per_op(p: int, v: int = 1) -> int:
+    """Messages a forward or backward op of the busiest rank handles itself: a receive and a
+    send (2) on a rank inside the pipeline; 1 when both ranks are ends (p x v = 2); 0 on one
+    stage. A W op handles none."""
+    if p < 1 or v < 1:
+        raise ValueError(f"need p, v >= 1, got p={p}, v={v}")
+    return min(2, p * v - 1)
+
+
 def schedule_step_time(name: str, p: int, m: int, t_f: float, t_b: float, t_w: float = 0.0,
-                       v: int = 1, t_cross: float = 0.0) -> float:
+                       v: int = 1, t_cross: float = 0.0, t_local: float = 0.0) -> float:
     """Predicted step time of ``name``: :func:`schedule_compute_time` plus
     :func:`critical_path_messages` x ``t_cross`` (the time of one boundary crossing,
     :func:`crossing_time`). Equals the simulator's step while t_cross is at most half the
     shortest op; a slower link turns more of the schedule into waiting (more crossings
-    surface). The messages count here as latency between ranks; CPU time a rank itself
-    spends in a send or receive is not in it."""
-    if t_cross < 0:
-        raise ValueError(f"t_cross must be >= 0, got {t_cross}")
-    return (schedule_compute_time(name, p, m, t_f, t_b, t_w, v)
+    surface).
+
+    ``t_local``: the time a rank itself spends in each send or receive, serial with its
+    compute (a receive copies the message in, a send hands it to the transport). Each F and
+    B op then takes :func:`messages_per_op` x t_local longer (the busiest ranks' ops, which
+    set the pace), so this part grows with the number of ops: (m + p - 1) slots of 2 x 2
+    messages for GPipe and 1F1B. Default 0: messages cost latency only."""
+    if t_cross < 0 or t_local < 0:
+        raise ValueError(f"t_cross and t_local must be >= 0, got {t_cross}, {t_local}")
+    extra = messages_per_op(p, v) * t_local
+    return (schedule_compute_time(name, p, m, t_f + extra, t_b + extra, t_w, v)
             + critical_path_messages(name, p, m, v) * t_cross)
 
 
@@ -255,5 +270,6 @@ def op_times(batch: int, m: int, forward: float, backward: float, per_call: floa
 __all__ = ["HEADER_BYTES", "PIPELINE_SCHEDULES", "best_microbatches", "boundary_bytes",
            "bubble_fraction", "bubble_ratio", "critical_path_messages", "crossing_time",
            "fixed_batch_step_time", "ideal_step_time", "imbalanced_step_time",
-           "in_flight_microbatches", "messages_per_rank", "microbatch_time",
-           "min_microbatches", "op_times", "schedule_compute_time", "schedule_step_time"]
+           "in_flight_microbatches", "messages_per_op", "messages_per_rank",
+           "microbatch_time", "min_microbatches", "op_times", "schedule_compute_time",
+           "schedule_step_time"]

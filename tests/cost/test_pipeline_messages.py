@@ -94,3 +94,18 @@ def test_formula_would_catch_a_missing_message():
     """Without the message term the prediction misses the simulator by the crossings."""
     run = ideal_run("1f1b", 4, 8, t_f=1, t_b=2, t_comm=0.1)
     assert cost.schedule_compute_time("1f1b", 4, 8, 1, 2) == pytest.approx(run.makespan - 1.6)
+
+
+def test_local_message_time_adds_per_op():
+    assert [cost.messages_per_op(p) for p in (1, 2, 3, 4)] == [0, 1, 2, 2]
+    assert cost.messages_per_op(1, v=2) == 1
+    # GPipe p=4, m=8: 11 slots, each F and B 2 x 0.1 longer: + 11 x 0.4
+    base = cost.schedule_step_time("gpipe", 4, 8, 1, 2, t_cross=0.1)
+    assert cost.schedule_step_time("gpipe", 4, 8, 1, 2, t_cross=0.1,
+                                   t_local=0.1) == pytest.approx(base + 4.4)
+    # ZB-H1's W sends nothing: only F and B grow
+    zb = cost.schedule_step_time("zb-h1", 4, 8, 1, 1, 1)
+    assert cost.schedule_step_time("zb-h1", 4, 8, 1, 1, 1, t_local=0.1) == pytest.approx(
+        zb + 11 * 0.4)
+    with pytest.raises(ValueError, match="t_local"):
+        cost.schedule_step_time("gpipe", 4, 8, 1, 2, t_local=-1)

@@ -42,8 +42,12 @@ def test_prediction_comes_from_the_cost_formulas():
     t_f, t_b, t_w = cost.op_times(8, 8, 0.01, 0.02, 0.002, 1, 0.5)
     assert (pred.t_f, pred.t_b, pred.t_w) == pytest.approx((t_f, t_b, t_w))
     assert pred.step == pytest.approx(cost.schedule_step_time("zb-h1", 4, 8, t_f, t_b, t_w,
-                                                              1, 1e-3))
-    assert pred.message_part == pytest.approx(12 * 1e-3)
+                                                              1, 1e-3, 1e-3))
+    # 12 crossings on the critical path, and 11 slots of an F and a B with 2 messages each
+    assert pred.message_part == pytest.approx(12e-3 + 11 * 2 * 2 * 1e-3)
+    latency_only = lab.predict("zb-h1", 4, 8, 8, StageCost(0.01, 0.02, 0.002), t_cross=1e-3,
+                               t_local=0.0)
+    assert latency_only.message_part == pytest.approx(12e-3)
     assert pred.peak_in_flight == {0: 4, 1: 4, 2: 4, 3: 4}
     assert pred.messages == {0: 8, 1: 16, 2: 16, 3: 8}
     busy = 8 * (t_f + t_b + t_w)
@@ -61,7 +65,7 @@ def test_lab_table_measured_from_the_run_predicted_from_cost():
         payload = cost.boundary_bytes(2, CFG.seq_len, CFG.d_model)
         t_cross = cost.crossing_time(payload, 1e-5, 1e-10)
         assert row["step_ms_predicted"] == pytest.approx(
-            1e3 * cost.schedule_step_time(run.name, 2, 2, t_f, t_b, 0.0, v, t_cross))
+            1e3 * cost.schedule_step_time(run.name, 2, 2, t_f, t_b, 0.0, v, t_cross, t_cross))
         assert row["step_ms"] == pytest.approx(1e3 * makespan(run.measured))
         # the sleeps pad every op to at least its emulated time: never faster than compute
         assert row["step_ms"] >= 0.95 * 1e3 * cost.schedule_compute_time(run.name, 2, 2, t_f,
