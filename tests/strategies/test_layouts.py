@@ -56,11 +56,34 @@ def test_emulated_device_does_the_ranks_flops(t, p, last):
 def test_agreement_counts_pairs_and_band():
     est = [SimpleNamespace(step_time=x) for x in (1.0, 2.0, 2.1, 4.0)]
     rows = [{"step_time": x} for x in (1.2, 2.6, 2.4, 3.9)]  # the close pair swapped
-    agree = L.agreement(est, rows)
+    agree = L.agreement(est, rows, band=0.25)
     assert agree["within"] == 3                       # 1.3 is outside 1 +- 0.25
+    assert L.agreement(est, rows)["within"] == 2      # and 1.2 outside the default 15%
     assert (agree["pairs"], agree["pairs_same"]) == (6, 5)
     assert (agree["separated"], agree["separated_same"]) == (5, 5)  # 2.0 vs 2.1 is close
     assert agree["best"] == (0, 0)
+
+
+def test_rate_is_measured_with_the_threads_asked_for_and_restores_them():
+    before = torch.get_num_threads()
+    rate = L.measure_rate(SMALL, repeats=3, threads=1)
+    assert torch.get_num_threads() == before
+    assert rate.threads == 1 and len(rate.samples) == 3 and all(r > 0 for r in rate.samples)
+    low, high = rate.quartiles
+    assert low <= rate.median <= high and rate.spread >= 0
+    assert "1 thread" in rate.describe() and "median of 3 steps" in rate.describe()
+    with pytest.raises(ValueError, match="repeats=0"):
+        L.measure_rate(SMALL, repeats=0)
+    with pytest.raises(ValueError, match="threads=0"):
+        L.measure_rate(SMALL, threads=0)
+
+
+def test_slow_link_costs_the_same_flops_per_byte_at_any_rate():
+    for rate in (1e9, 4e9):
+        assert L.slow_link_beta(rate) * rate == pytest.approx(L.SLOW_LINK_FLOPS_PER_BYTE)
+    assert L.slow_link_beta(2e9, flops_per_byte=100) == pytest.approx(5e-8)
+    with pytest.raises(ValueError, match="flops_per_second > 0"):
+        L.slow_link_beta(0.0)
 
 
 def test_measured_takes_the_slowest_rank_per_step():
