@@ -132,6 +132,8 @@ def layouts_section(args: argparse.Namespace) -> None:
               f"overruns {sum(r['overruns'] for r in rows)} of "
               f"{sum(r['pieces'] for r in rows)} pieces; {_load()}\n")
         print(L.table(predicted, rows))
+        print("\nwhere the step goes, predicted / measured (ms):")
+        print(L.parts_table(predicted, rows))
         sent = [sum(e.bytes_sent.values()) for e in predicted]
         fewest = min(range(len(sent)), key=sent.__getitem__)
         measured_order = L.rank_order([r["step_time"] for r in rows])
