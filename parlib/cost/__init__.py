@@ -20,6 +20,8 @@ Built on them, the choosing chapter's cost model:
 - :mod:`parlib.cost.model`: ``Model``, a transformer's parameter count and FLOPs per token.
 - :mod:`parlib.cost.hardware`: ``Hardware`` and ``Link``, presets with their sources (not
   ``parlib.Cluster``, which keeps ranks warm).
+- :mod:`parlib.cost.efficiency`: ``ACHIEVABLE``, the fraction of datasheet matmul rate and
+  memory bandwidth each device generation reaches, with sources; the presets use it.
 - :mod:`parlib.cost.estimate`: ``estimate``, memory and step time of one layout.
 - :mod:`parlib.cost.planner`: ``best_layouts``, the fastest layouts that fit, with reasons.
 - :mod:`parlib.cost.published`: published runs to hold the model against.
@@ -44,6 +46,7 @@ from parlib.cost.context import (
     ring_attention_sent_bytes_per_layer,
     ring_sends_per_layer,
 )
+from parlib.cost.efficiency import ACHIEVABLE, Achievable, achievable, achievable_fraction
 from parlib.cost.estimate import Estimate, estimate
 from parlib.cost.experts import (
     ep_all_to_all_bytes_per_layer,
@@ -136,4 +139,9 @@ __all__ = [
     "load_imbalance",
     "moe_params_per_rank",
     "tokens_dropped",
+    # achievable rates, memory-bound operations, stages, the planner's binding constraint
+    "ACHIEVABLE",
+    "Achievable",
+    "achievable",
+    "achievable_fraction",
 ]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from parlib.cost.collectives import per_link_alpha_beta
+from parlib.cost.efficiency import achievable
 
 GB = 10**9  # datasheets' GB (decimal)
 
@@ -50,14 +51,27 @@ class Link:
         return Link(alpha=self.alpha + alpha, bandwidth=1.0 / (self.beta + beta))
 
 
+def _achievable(generation: str) -> dict[str, Any]:
+    """A preset's fields from its generation's row of the efficiency table."""
+    row = achievable(generation)
+    return {"generation": generation, "compute_efficiency": row.matmul_fraction,
+            "memory_efficiency": row.memory_bandwidth}
+
+
 @dataclass(frozen=True)
 class Hardware:
     """``n_devices`` devices in nodes of ``devices_per_node``.
 
     ``memory_bytes`` and ``peak_flops`` are per device (peak at the training dtype).
-    ``compute_efficiency`` is the fraction of peak the model's compute really runs at
-    (matmuls plus the memory-bound softmax, norms and activations around them): 1.0 means
-    "at peak"; ``measured_here`` folds the measured rate into ``peak_flops`` instead.
+    ``compute_efficiency`` is the fraction of peak the matmuls really run at: 1.0 means "at
+    peak"; the presets take their generation's achievable fraction
+    (:data:`parlib.cost.efficiency.ACHIEVABLE`, the best measured matmul over the
+    datasheet); ``measured_here`` folds the measured rate into ``peak_flops`` instead.
+    ``memory_bandwidth`` is the device memory's bytes/s (datasheet), of which
+    ``memory_efficiency`` is reached; the memory-bound operations (norms, softmax,
+    elementwise) are charged bytes over that rate. The default, infinite, charges them
+    nothing (the model before they were counted). ``generation`` names the device's row of
+    the efficiency table ("A100", "H100", ...; "" when none applies).
     """
 
     n_devices: int
@@ -68,6 +82,9 @@ class Hardware:
     inter_node: Link
     compute_efficiency: float = 1.0
     name: str = ""
+    memory_bandwidth: float = math.inf
+    memory_efficiency: float = 1.0
+    generation: str = ""
 
     def __post_init__(self) -> None:
         for field in ("n_devices", "devices_per_node"):
@@ -81,12 +98,33 @@ class Hardware:
             raise ValueError(f"memory_bytes must be > 0, got {self.memory_bytes!r}")
         if not self.peak_flops > 0:
             raise ValueError(f"peak_flops must be > 0, got {self.peak_flops!r}")
-        if not 0 < self.compute_efficiency <= 1:
-            raise ValueError(f"compute_efficiency must be in (0, 1], "
-                             f"got {self.compute_efficiency!r}")
+        for field in ("compute_efficiency", "memory_efficiency"):
+            value = getattr(self, field)
+            if not 0 < value <= 1:
+                raise ValueError(f"{field} must be in (0, 1], got {value!r}")
+        if not self.memory_bandwidth > 0:
+            raise ValueError(f"memory_bandwidth must be > 0 bytes/s, got "
+                             f"{self.memory_bandwidth!r}")
         for field in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, field), Link):
                 raise ValueError(f"{field} must be a Link(alpha, bandwidth)")
+
+    @property
+    def achievable_flops(self) -> float:
+        """FLOP/s the matmuls run at: ``peak_flops x compute_efficiency``."""
+        return self.peak_flops * self.compute_efficiency
+
+    @property
+    def achievable_memory_bandwidth(self) -> float:
+        """Bytes/s memory-bound operations stream at: ``memory_bandwidth x
+        memory_efficiency`` (infinite when the bandwidth is not given)."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def at_peak(self) -> Hardware:
+        """This hardware at its datasheet: compute and memory efficiency 1 (an upper bound,
+        as the cost model was before it counted achievable rates)."""
+        return replace(self, compute_efficiency=1.0, memory_efficiency=1.0)
 
     @property
     def n_nodes(self) -> int:
@@ -125,6 +163,9 @@ class Hardware:
             # DGX A100 datasheet: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute: 25 GB/s.
             inter_node=Link(alpha=10e-6, bandwidth=25 * GB),
             name="DGX A100 80GB",
+            # A100 datasheet (80 GB SXM): GPU memory bandwidth 2,039 GB/s.
+            memory_bandwidth=2039 * GB,
+            **_achievable("A100"),
         ).with_(**changes)
 
     @classmethod
@@ -141,6 +182,9 @@ class Hardware:
             # DGX H100 datasheet: 8x ConnectX-7 400 Gb/s InfiniBand/Ethernet: 50 GB/s per GPU.
             inter_node=Link(alpha=10e-6, bandwidth=50 * GB),
             name="DGX H100",
+            # H100 datasheet (SXM): GPU memory bandwidth 3.35 TB/s.
+            memory_bandwidth=3350 * GB,
+            **_achievable("H100"),
         ).with_(**changes)
 
     @classmethod
@@ -157,13 +201,17 @@ class Hardware:
             # DGX H200 datasheet: 8x ConnectX-7 400 Gb/s: 50 GB/s per GPU.
             inter_node=Link(alpha=10e-6, bandwidth=50 * GB),
             name="DGX H200",
+            # H200 datasheet (SXM): GPU memory bandwidth 4.8 TB/s.
+            memory_bandwidth=4800 * GB,
+            **_achievable("H200"),
         ).with_(**changes)
 
     @classmethod
     def measured_here(cls, n_devices: int, *, allreduce_fit: tuple[float, float],
                       fit_ranks: int, flops_per_second: float,
                       memory_bytes: float = math.inf,
-                      devices_per_node: int | None = None) -> Hardware:
+                      devices_per_node: int | None = None,
+                      memory_bandwidth: float = math.inf) -> Hardware:
         """This machine, from the launching chapter's measurements.
 
         ``allreduce_fit`` is ``fit_alpha_beta(sizes, seconds)`` of all-reduce times on
@@ -171,6 +219,9 @@ class Hardware:
         that one measured link. ``flops_per_second`` is the rate one rank measured running
         the model's step; it becomes ``peak_flops``, so MFU here is relative to it.
         ``memory_bytes`` per device defaults to unlimited (not the constraint on a laptop).
+        ``memory_bandwidth`` (bytes/s measured streaming, if known) charges the memory-bound
+        operations; unknown, they cost nothing beyond the measured rate. Both rates are
+        measured, so both efficiencies are 1 (generation "measured").
         """
         a, b = allreduce_fit
         if not b > 0:
@@ -180,7 +231,8 @@ class Hardware:
         link = Link(alpha=alpha, bandwidth=1.0 / beta)
         return cls(n_devices=n_devices, devices_per_node=devices_per_node or n_devices,
                    memory_bytes=memory_bytes, peak_flops=flops_per_second,
-                   intra_node=link, inter_node=link, name="measured here")
+                   intra_node=link, inter_node=link, name="measured here",
+                   memory_bandwidth=memory_bandwidth, generation="measured")
 
     def __str__(self) -> str:
         return (f"{self.name or 'hardware'}: {self.n_devices} devices, {self.devices_per_node} "
