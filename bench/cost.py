@@ -1,5 +1,5 @@
 """Benchmark of the choosing chapter's cost model: the planner and the published runs (pure Python,
-no ranks, a second or two), and predicted against measured layouts here (about a minute).
+no ranks, a second or two), and predicted against measured layouts here (a minute or two).
 
     python bench/cost.py                      # every section
     python bench/cost.py --sections plan      # only the planner timing and its top 5
@@ -80,12 +80,13 @@ def plan_section(args: argparse.Namespace) -> None:
           f"global batch {args.global_batch} x {TRILLION.seq_len} tokens)")
     print(f"  search time: median {statistics.median(seconds):.3f} s of {args.repeats} "
           f"(min {min(seconds):.3f}, max {max(seconds):.3f}); target < 1 s")
-    print("  predicted at peak compute (compute_efficiency 1): MFU is an upper bound\n")
+    print(f"  predicted with matmuls at {hardware.compute_efficiency:.0%} of peak (the "
+          f"{hardware.generation or 'given'} efficiency): a prediction, not a bound\n")
     print(layout_table(ranked))
 
 
 def published_section(args: argparse.Namespace) -> None:
-    print("\npublished runs: predicted at peak compute vs reported "
+    print("\npublished runs: predicted (each GPU generation's efficiency) against reported "
           "(sources and assumptions: parlib/cost/published.py)\n")
     print(comparison_table())
 
@@ -132,7 +133,7 @@ def layouts_section(args: argparse.Namespace) -> None:
               f"overruns {sum(r['overruns'] for r in rows)} of "
               f"{sum(r['pieces'] for r in rows)} pieces; {_load()}\n")
         print(L.table(predicted, rows))
-        print("\nwhere the step goes, predicted / measured (ms):")
+        print("\nwhere the step goes:")
         print(L.parts_table(predicted, rows))
         sent = [sum(e.bytes_sent.values()) for e in predicted]
         fewest = min(range(len(sent)), key=sent.__getitem__)
@@ -165,7 +166,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     ap.add_argument("--repeats", type=int, default=5, help="planner searches to time")
@@ -180,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--band", type=float, default=0.15,
                     help="layouts: measured / predicted counts as agreeing within 1 +- this")
     ap.add_argument("--layout-repeats", type=int, default=5, help="layouts: timed steps")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     for name in args.sections:
         SECTIONS[name](args)
     return 0

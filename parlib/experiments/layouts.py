@@ -334,11 +334,12 @@ def compute_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repea
 def slow_link_beta(flops_per_second: float,
                    flops_per_byte: float = SLOW_LINK_FLOPS_PER_BYTE) -> float:
     """Seconds per byte of the emulated slow link: one byte takes as long as
-    ``flops_per_byte`` FLOPs on a device of ``flops_per_second``."""
+    ``flops_per_byte`` FLOPs on a device of ``flops_per_second`` (rounded to two significant
+    figures, so that it prints short; the prediction and the emulation use the same)."""
     if not flops_per_second > 0 or not flops_per_byte > 0:
         raise ValueError(f"need flops_per_second > 0 and flops_per_byte > 0, got "
                          f"{flops_per_second!r}, {flops_per_byte!r}")
-    return flops_per_byte / flops_per_second
+    return float(f"{flops_per_byte / flops_per_second:.2g}")
 
 
 def predict(layouts: Sequence[Run], cluster: Hardware, *,
@@ -402,9 +403,12 @@ def agreement(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]], *,
 
 
 def table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
-    """Predicted against measured step time (ms) and memory (MiB) per layout."""
-    lines = [f"{'layout':<10} {'predicted':>9} {'measured':>9} {'spread':>6} {'ratio':>6}   "
-             f"{'states MiB':>10} {'pred':>6} {'act. MiB':>8} {'pred':>6}"]
+    """Predicted against measured step time (ms) and memory (MiB) per layout, under a
+    header that spells out each column."""
+    lines = [f"{'':<10} {'step time, ms':^38}   {'model states, MiB':^19} "
+             f"{'activations, MiB':^19}",
+             f"{'layout':<10} {'predicted':>9} {'measured':>9} {'spread':>7} {'meas/pred':>10}   "
+             f"{'measured':>9} {'predicted':>9} {'measured':>9} {'predicted':>9}"]
     for e, r in zip(estimates, rows):
         mem = r["memory"]
         states = mem["params"] + mem["grads"] + mem["optimizer"]
@@ -412,10 +416,12 @@ def table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
         pred_act = e.memory["activations"] + e.memory["pipeline_in_flight"]
         lines.append(
             f"{r['layout']:<10} {e.step_time * 1e3:>9.0f} "
-            f"{r['step_time'] * 1e3:>9.0f} {r['spread']:>6.0%} "
-            f"{r['step_time'] / e.step_time:>6.2f}   {states / 2**20:>10.2f} "
-            f"{pred_states / 2**20:>6.2f} {mem['activations'] / 2**20:>8.2f} "
-            f"{pred_act / 2**20:>6.2f}")
+            f"{r['step_time'] * 1e3:>9.0f} {r['spread']:>7.0%} "
+            f"{r['step_time'] / e.step_time:>10.2f}   {states / 2**20:>9.2f} "
+            f"{pred_states / 2**20:>9.2f} {mem['activations'] / 2**20:>9.2f} "
+            f"{pred_act / 2**20:>9.2f}")
+    lines.append("spread: interquartile range of the timed steps over their median; "
+                 "meas/pred: measured / predicted")
     return "\n".join(lines)
 
 
@@ -423,14 +429,18 @@ def parts_table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -
     """Where the step goes (ms), predicted / measured: compute, tensor-parallel all-reduces,
     pipeline (bubble and sends predicted; waiting to receive measured), gradient sync, and
     the rest (measured only: optimizer step, copies)."""
-    lines = [f"{'layout':<10} {'compute':>11} {'tp':>11} {'pipeline':>11} {'dp':>11} "
-             f"{'other':>6}"]
+    heads = ("compute", "tensor-par.", "pipeline", "grad. sync")
+    lines = ["ms per step, predicted / measured",
+             f"{'layout':<10} " + " ".join(f"{h:>11}" for h in heads) + f" {'other':>6}"]
     for e, r in zip(estimates, rows):
         pred = {"compute": e.time["compute"], "tp": e.time["tp_comm"],
                 "recv": e.time["pp_bubble"] + e.time["pp_send"], "dp": e.time["dp_sync"]}
         cells = [f"{pred[k] * 1e3:>5.0f}/{r['parts'][k] * 1e3:<5.0f}" for k in pred]
         lines.append(f"{r['layout']:<10} {' '.join(cells)} "
                      f"{r['parts']['other'] * 1e3:>6.0f}")
+    lines.append("tensor-par.: tensor-parallel all-reduces; pipeline: bubble and boundary "
+                 "sends (measured: waiting to receive); grad. sync: the data-parallel "
+                 "all-reduce; other: measured only (optimizer step, copies)")
     return "\n".join(lines)
 
 
