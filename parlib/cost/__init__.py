@@ -22,6 +22,7 @@ Built on them, the choosing chapter's cost model:
   ``parlib.Cluster``, which keeps ranks warm).
 - :mod:`parlib.cost.efficiency`: ``ACHIEVABLE``, the fraction of datasheet matmul rate and
   memory bandwidth each device generation reaches, with sources; the presets use it.
+- :mod:`parlib.cost.stages`: layers per pipeline stage when p does not divide L.
 - :mod:`parlib.cost.estimate`: ``estimate``, memory and step time of one layout.
 - :mod:`parlib.cost.planner`: ``best_layouts``, the fastest layouts that fit, with reasons.
 - :mod:`parlib.cost.published`: published runs to hold the model against.
@@ -65,6 +66,7 @@ from parlib.cost.memory import (
     activation_bytes_per_layer,
     adam_bytes_per_param,
     logits_bytes,
+    memory_bound_bytes_per_layer,
     model_state_bytes,
     model_state_bytes_by_kind,
     model_state_bytes_per_param,
@@ -82,8 +84,9 @@ from parlib.cost.pipeline import (
     microbatch_time,
     min_microbatches,
 )
-from parlib.cost.planner import best_layouts, candidate_layouts
+from parlib.cost.planner import best_layouts, binding_constraint, candidate_layouts
 from parlib.cost.sharded import padded_numel, zero_sent_bytes_per_step
+from parlib.cost.stages import stage_imbalance, stage_layers
 from parlib.cost.tensor import tp_message_bytes, tp_sent_bytes_per_layer
 
 __all__ = [
@@ -144,4 +147,8 @@ __all__ = [
     "Achievable",
     "achievable",
     "achievable_fraction",
+    "memory_bound_bytes_per_layer",
+    "stage_imbalance",
+    "stage_layers",
+    "binding_constraint",
 ]

@@ -9,8 +9,15 @@ and a pipeline all of them; a group is charged the slowest link inside that bloc
 
 What the model assumes, in one place:
 
-- Compute is spread evenly over devices at ``peak_flops x compute_efficiency``; full
-  recomputation adds the layers' forward, selective the attention scores'.
+- Compute is spread evenly over devices at ``peak_flops x compute_efficiency`` (the
+  presets: their generation's achievable matmul fraction, :mod:`parlib.cost.efficiency`);
+  full recomputation adds the layers' forward, selective the attention scores'.
+- Memory-bound operations (norms, residual adds, the MLP's activation, dropout, and the
+  softmax over stored attention scores) are charged their bytes over the achievable memory
+  bandwidth (:func:`~parlib.cost.memory.memory_bound_bytes_per_layer`, backward twice the
+  forward's bytes, full recomputation one more forward): the step part ``memory_bound``,
+  beside ``compute`` (which counts only FLOPs). Hardware without a memory bandwidth
+  charges nothing for them.
 - Tensor parallelism: 2 all-reduces of (b, s, h) per layer forward, 2 backward (one more
   forward's worth with full recomputation), on the critical path. Sequence parallelism
   (default on) moves the same bytes and splits the norms' activations too.
@@ -21,13 +28,21 @@ What the model assumes, in one place:
   c - 1 K/V blocks plus their gradients backward, each step's transfer overlapping that
   step's attention compute (1/c of the layer's attention); only the excess is exposed.
   cp ranks hold the same weights: the gradient sync (and ZeRO's sharding) runs over d x c.
+- Pipeline stages: when p does not divide the L layers, the first and last stages get one
+  layer fewer (Llama 3's rule, :func:`~parlib.cost.stages.stage_layers`); the layers' share
+  of compute and memory-bound time follows the slowest stage (most layers), the output
+  layer's stays spread evenly; memory is the worst stage's. Interleaving (v > 1) needs p to
+  divide L.
 - Pipeline: 1F1B, interleaved over v model chunks per rank when v > 1; the bubble is
   bubble_fraction(p, m, v) of the step; each of the v*m + p - 1 slots sends one boundary
   forward and one back, 1/t of it per TP rank (Megatron's scatter/gather). The first stage
   holds in_flight_microbatches(p, m, v) microbatches (chunks) of activations.
 - Data parallelism: the gradient sync (ZeRO-1/2: reduce-scatter + all-gather, ZeRO-3: both
   per microbatch) overlaps the backward of the last microbatch (all compute for ZeRO-3).
-  The rest of it is exposed.
+  The rest of it is exposed. ZeRO-3 with a pipeline (p > 1) is refused: every stage would
+  re-gather its weights for each microbatch's forward and backward (v x m times a step,
+  on the links the pipeline also uses), which DeepSpeed refuses too; ZeRO-1 or 2 with
+  the pipeline keep the weights whole between microbatches.
 - Memory is that of the worst stage: first (embedding, most in flight) or last (output
   layer and its logits). Nothing is charged for framework buffers or fragmentation.
 """
@@ -40,14 +55,26 @@ from parlib.cost.collectives import collective_time, message_time, predicted_sen
 from parlib.cost.context import LSE_BYTES, kv_block_bytes, ring_attention_sent_bytes_per_layer
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
-from parlib.cost.memory import activation_bytes_per_layer, logits_bytes, model_state_bytes_by_kind
+from parlib.cost.memory import (
+    MEMORY_BOUND_BACKWARD_PER_FORWARD,
+    activation_bytes_per_layer,
+    logits_bytes,
+    memory_bound_bytes_per_layer,
+    model_state_bytes_by_kind,
+)
 from parlib.cost.model import BACKWARD_PER_FORWARD, Model
 from parlib.cost.pipeline import boundary_bytes, bubble_fraction, in_flight_microbatches
+from parlib.cost.stages import stage_layers
 from parlib.cost.tensor import ALL_REDUCES_PER_LAYER, tp_message_bytes, tp_sent_bytes_per_layer
 
 RECOMPUTE = (False, "selective", True)  # True means full recomputation
+ZERO3_WITH_PIPELINE = (
+    "ZeRO-3 with a pipeline (p = {p}) is refused: each stage would re-gather its weights "
+    "for every microbatch's forward and backward, on the links the pipeline uses too "
+    "(DeepSpeed refuses the combination); use zero=1 or zero=2 with a pipeline")
 # they sum to a step
-STEP_PARTS = ("compute", "tp_comm", "cp_comm", "pp_bubble", "pp_send", "dp_sync")
+STEP_PARTS = ("compute", "memory_bound", "tp_comm", "cp_comm", "ep_comm", "pp_bubble",
+              "pp_send", "dp_sync")
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "pipeline_in_flight")
 
 
@@ -57,10 +84,14 @@ class Estimate:
 
     ``memory`` holds bytes per device of the worst pipeline stage (``stage``): params,
     grads, optimizer, activations (one microbatch), pipeline_in_flight (the others held).
-    ``time`` holds the parts of a step, which add up to ``step_time``: compute, tp_comm,
-    cp_comm (the exposed part of ring attention's K/V traffic), pp_bubble, pp_send and
-    dp_sync (the exposed part of the gradient sync), and beside them cp_comm_total,
-    cp_comm_hidden, dp_sync_total and dp_sync_hidden (the parts that overlap compute).
+    ``time`` holds the parts of a step, which add up to ``step_time``: compute (FLOPs at
+    the achievable rate), memory_bound (norms, softmax, elementwise: bytes over memory
+    bandwidth), tp_comm, cp_comm (the exposed part of ring attention's K/V traffic),
+    ep_comm (the experts' all-to-alls), pp_bubble, pp_send and dp_sync (the exposed part of
+    the gradient sync), and beside them cp_comm_total, cp_comm_hidden, dp_sync_total and
+    dp_sync_hidden (the parts that overlap compute). ``stage_layers`` lists the layers of
+    each pipeline stage; ``binding`` (set by the planner for its picks) names what limits
+    the layout: "memory", "compute", "memory bandwidth", "the pipeline bubble" or a link.
     ``bytes_sent`` (per device per step) and ``links`` ("intra-node", "inter-node" or
     "none") are keyed by axis name ("pp", "dp", "cp", "tp"). ``layout.tp`` and so on are the
     sizes; ``m`` microbatches per step per data-parallel rank, ``v`` model chunks per
@@ -84,6 +115,8 @@ class Estimate:
     model_flops: float
     hardware_flops: float
     reason: str = field(default="")
+    stage_layers: list[int] = field(default_factory=list)
+    binding: str = field(default="")
 
     @property
     def memory_total(self) -> float:
@@ -99,14 +132,19 @@ class Estimate:
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs utilisation: the model's training FLOPs (recomputation not counted)
-        per second, over the devices' peak."""
+        """Model FLOPs utilisation: the model's training FLOPs per second over the devices'
+        datasheet peak (``n_devices x peak_flops``). The model's FLOPs are 6 x (weights a
+        token multiplies: every layer's matrices, the active experts, the output layer) x
+        tokens plus attention's 12 x L x s x h per token (:attr:`Model.flops_per_token`);
+        recomputation is not counted (it is not the model's work)."""
         return self.model_flops / (self.step_time * self.hardware.n_devices
                                    * self.hardware.peak_flops)
 
     @property
     def hfu(self) -> float:
-        """Hardware FLOPs utilisation: as ``mfu`` but counting recomputed FLOPs too."""
+        """Hardware FLOPs utilisation: as ``mfu`` but counting the FLOPs the devices really
+        run, recomputation included (selective: the attention scores again; full: every
+        layer's forward again). HFU >= MFU, equal without recomputation."""
         return self.mfu * self.hardware_flops / self.model_flops
 
     @property
@@ -157,6 +195,8 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     check_layout(model, hardware.n_devices, layout, m=m, global_batch=global_batch, v=v)
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
+    if zero == 3 and layout.pp > 1:
+        raise ValueError(ZERO3_WITH_PIPELINE.format(p=layout.pp))
     if not any(recompute is r for r in RECOMPUTE):
         raise ValueError(f"recompute must be False, 'selective' or True, got {recompute!r}")
     est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
@@ -181,10 +221,14 @@ def check_layout(model: Model, n_devices: int, layout: Layout, *, m: int,
     d, t, p = layout.dp, layout.tp, layout.pp
     if model.n_heads % t:
         raise ValueError(f"t = {t} does not divide the model's {model.n_heads} attention heads")
-    if model.n_layers % p:
-        raise ValueError(f"p = {p} does not divide the model's {model.n_layers} layers")
+    if p > model.n_layers:
+        raise ValueError(f"p = {p} stages need at least one layer each, but the model has "
+                         f"{model.n_layers} layers")
     if v > 1 and p == 1:
         raise ValueError(f"v = {v} model chunks per rank need a pipeline (p > 1)")
+    if v > 1 and model.n_layers % p:
+        raise ValueError(f"v = {v}: the interleaved schedule needs p = {p} to divide the "
+                         f"model's {model.n_layers} layers (uneven stages run v = 1)")
     if (model.n_layers // p) % v:
         raise ValueError(f"v = {v} does not divide the {model.n_layers // p} layers per stage")
     if v > 1 and m % p:
@@ -224,15 +268,28 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     spans = {k: layout.span(k) for k in layout}
     links = {k: hardware.link_for(span) for k, span in spans.items()}
 
-    # ---- memory of the first and of the last stage; keep the larger
-    layers = L // p
-    layer_params = layers * model.layer_params
+    # ---- memory of the first, the last and the fullest middle stages; keep the largest
+    per_stage = stage_layers(L, p)
+    slowest = max(per_stage)
     tied_copy = model.vocab_size * h if model.tied_embeddings and p > 1 else 0
     if p == 1:
-        stages = {"only": layer_params + model.embedding_params + model.head_params}
+        stages = {"only": (L, L, L * model.layer_params + model.embedding_params
+                           + model.head_params)}
     else:
-        stages = {"first": layer_params + model.embedding_params,
-                  "last": layer_params + model.head_params + tied_copy}
+        # (layers, layers' worth of activations held, parameters); the first stage holds the
+        # most microbatches in flight, stage i of 1F1B min(m, p - i), the last one
+        first = per_stage[0]
+        stages = {"first": (first, in_flight_microbatches(p, m, v) * first // v,
+                            first * model.layer_params + model.embedding_params),
+                  "last": (per_stage[-1], per_stage[-1],
+                           per_stage[-1] * model.layer_params + model.head_params + tied_copy)}
+        if v == 1 and L % p:  # uneven: a middle stage may hold more layers than the first
+            fullest = next((i for i in range(1, p - 1) if per_stage[i] == slowest), None)
+            for i in {1, fullest} - {None}:
+                if i < p - 1:
+                    stages[f"stage {i + 1} of {p}"] = (
+                        per_stage[i], min(m, p - i) * per_stage[i],
+                        per_stage[i] * model.layer_params)
     mode = {False: "none", "selective": "selective", True: "full"}[recompute]
     if c > 1 and mode == "none":
         mode = "selective"  # blockwise attention stores no scores
@@ -251,12 +308,10 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                 {"recompute": "selective"} if c > 1 else {}))
     logits = logits_bytes(s_local, b, model.vocab_size, t=t, dtype_bytes=act_bytes)
     candidates = []
-    for stage, params in stages.items():
+    for stage, (layers, held, params) in stages.items():
         states = model_state_bytes_by_kind(params / t, d * c, zero, mixed_precision)
-        # layers' worth of activations held: one microbatch through the stage, or all in flight
-        held = in_flight_microbatches(p, m, v) * layers // v if stage == "first" else layers
         states["activations"] = layers * per_layer + working + (
-            logits if stage != "first" else 0.0)
+            logits if stage in ("only", "last") else 0.0)
         states["pipeline_in_flight"] = (held - layers) * per_layer
         candidates.append((sum(states.values()), stage, params / t,
                            {k: states[k] for k in MEMORY_PARTS}))
@@ -268,7 +323,20 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     extra = {False: 0, "selective": model.attention_flops_per_token,
              True: model.layers_forward_flops_per_token}[recompute]
     hardware_flops = model_flops + extra * tokens
-    compute = hardware_flops / n / (hardware.peak_flops * hardware.compute_efficiency)
+    # the layers' FLOPs wait for the slowest stage; the output layer's stay spread evenly
+    head_flops = (1 + BACKWARD_PER_FORWARD) * 2 * model.vocab_size * h * tokens
+    imbalance = slowest * p / L
+    compute = ((hardware_flops - head_flops) * imbalance + head_flops) / n / (
+        hardware.achievable_flops)
+
+    # ---- memory-bound operations: bytes over memory bandwidth, every layer, every microbatch
+    moved = memory_bound_bytes_per_layer(
+        s_local, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
+        dtype_bytes=act_bytes, ffn_dim=model.ffn_dim, gated_mlp=model.gated_mlp,
+        dropout=model.dropout, scores_stored=c == 1 and recompute != "selective")
+    forwards = 1 + (1 if full else 0)
+    memory_bound = (m * slowest * moved * (forwards + MEMORY_BOUND_BACKWARD_PER_FORWARD)
+                    / hardware.achievable_memory_bandwidth)
 
     # ---- tensor parallelism: all-reduces of (b, s, h) per layer, every microbatch
     passes = ("forward", "backward") + (("forward",) if full else ())
@@ -278,8 +346,8 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         one_all_reduce = collective_time("all_reduce",
                                          tp_message_bytes(b, s_local, h, act_bytes),
                                          t, links["tp"].alpha, links["tp"].beta)
-        tp_comm = m * layers * per_layer_count * one_all_reduce
-        tp_bytes = m * layers * tp_sent_bytes_per_layer(b, s_local, h, t, act_bytes, passes)
+        tp_comm = m * slowest * per_layer_count * one_all_reduce
+        tp_bytes = m * slowest * tp_sent_bytes_per_layer(b, s_local, h, t, act_bytes, passes)
 
     # ---- context parallelism: ring attention's K/V blocks, each step's transfer behind
     # that step's block of attention compute (1/c of the layer's attention on this rank)
@@ -287,7 +355,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     if c > 1:
         kv_per_rank = model.kv_dim / t  # tensor parallelism splits the K/V heads too
         block = kv_block_bytes(b, s, kv_per_rank, c, act_bytes)
-        rate = hardware.peak_flops * hardware.compute_efficiency
+        rate = hardware.achievable_flops
         attn_step = model.layer_attention_flops_per_token * b * s_local / t / c / rate
         link = links["cp"]
         fwd = message_time(block, link.alpha, link.beta)  # one K/V block per step
@@ -296,14 +364,15 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         per_layer_total = (c - 1) * (n_fwd * fwd + bwd)
         per_layer_hidden = (c - 1) * (n_fwd * min(fwd, attn_step)
                                       + min(bwd, BACKWARD_PER_FORWARD * attn_step))
-        cp_total = m * layers * per_layer_total
-        cp_hidden = m * layers * per_layer_hidden
-        cp_bytes = m * layers * ring_attention_sent_bytes_per_layer(
+        cp_total = m * slowest * per_layer_total
+        cp_hidden = m * slowest * per_layer_hidden
+        cp_bytes = m * slowest * ring_attention_sent_bytes_per_layer(
             b, s, kv_per_rank, c, act_bytes, passes)
     cp_comm = cp_total - cp_hidden
 
     # ---- pipeline: bubble and boundary sends
-    busy = compute + tp_comm + cp_comm
+    ep_comm = 0.0
+    busy = compute + memory_bound + tp_comm + cp_comm + ep_comm
     pp_bubble = pp_send = pp_bytes = 0.0
     if p > 1:
         f = bubble_fraction(p, m, v)
@@ -334,7 +403,8 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     window = busy if zero == 3 else busy * (model_flops / hardware_flops) / m * (2 / 3)
     dp_hidden = min(dp_total, window) if dp_overlap else 0.0
 
-    time = {"compute": compute, "tp_comm": tp_comm, "cp_comm": cp_comm,
+    time = {"compute": compute, "memory_bound": memory_bound, "tp_comm": tp_comm,
+            "cp_comm": cp_comm, "ep_comm": ep_comm,
             "cp_comm_total": cp_total, "cp_comm_hidden": cp_hidden, "pp_bubble": pp_bubble,
             "pp_send": pp_send, "dp_sync": dp_total - dp_hidden,
             "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden}
@@ -344,7 +414,8 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                    bytes_sent={"pp": pp_bytes, "dp": dp_bytes, "cp": cp_bytes, "tp": tp_bytes},
                    links=_links(hardware, layout, spans),
                    stage=stage,
-                   model_flops=model_flops, hardware_flops=hardware_flops)
+                   model_flops=model_flops, hardware_flops=hardware_flops,
+                   stage_layers=per_stage)
 
 
 def _links(hardware: Hardware, layout: Layout, spans: dict[str, int]) -> dict[str, str]:
@@ -360,4 +431,5 @@ def _where(hardware: Hardware, span: int, degree: int) -> str:
     return "intra-node" if hardware.in_one_node(span) else "inter-node"
 
 
-__all__ = ["MEMORY_PARTS", "RECOMPUTE", "STEP_PARTS", "Estimate", "check_layout", "estimate"]
+__all__ = ["MEMORY_PARTS", "RECOMPUTE", "STEP_PARTS", "ZERO3_WITH_PIPELINE", "Estimate",
+           "check_layout", "estimate"]

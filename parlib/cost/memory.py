@@ -109,6 +109,49 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
     return seq_len * micro_batch * vocab_size * (dtype_bytes + 4) / t
 
 
+# A backward pass of a memory-bound operation reads what its forward read (the saved input)
+# and the output's gradient, and writes the input's gradient: about twice the forward's bytes.
+MEMORY_BOUND_BACKWARD_PER_FORWARD = 2
+
+
+def memory_bound_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_heads: int,
+                                 *, t: int = 1, sequence_parallel: bool = False,
+                                 dtype_bytes: int = 2, ffn_dim: int | None = None,
+                                 gated_mlp: bool = False, dropout: bool = False,
+                                 scores_stored: bool = True) -> float:
+    """Bytes one transformer layer's memory-bound operations read and write in one forward,
+    per microbatch, on one of t ranks: the work that is limited by memory bandwidth, not by
+    FLOPs (each element is touched once or twice, so no matmul hides it).
+
+    Per token, in elements of ``dtype_bytes`` (reads plus writes):
+
+    - two norms, each reads h and writes h: 4h; two residual adds, each reads 2h and writes
+      h: 6h; with dropout, two dropouts of h (read, write, a 1-byte mask): 4h + 2h bytes.
+      Split t ways only by sequence parallelism (otherwise every TP rank runs them whole).
+    - the MLP's activation: GELU reads f and writes f (2f); gated (SwiGLU) reads 2f, writes
+      f (3f). Split t ways.
+    - when the attention scores are stored (no fused kernel: ``scores_stored``), the softmax
+      reads and writes a x s scores (2as), with dropout also its mask (a x s bytes) and
+      output (2as). Split t ways. A fused (Flash) kernel keeps them on chip: none.
+
+    Backward moves about :data:`MEMORY_BOUND_BACKWARD_PER_FORWARD` times these bytes.
+    """
+    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
+                        ("d_model", d_model), ("n_heads", n_heads), ("t", t),
+                        ("dtype_bytes", dtype_bytes)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
+    s, b, h, a = seq_len, micro_batch, d_model, n_heads
+    f = 4 * h if ffn_dim is None else ffn_dim
+    tokens = s * b
+    replicated = (10 * h + (4 * h if dropout else 0)) * dtype_bytes + (2 * h if dropout else 0)
+    activation = (3 if gated_mlp else 2) * f * dtype_bytes
+    scores = 0 if not scores_stored else a * s * (
+        2 * dtype_bytes + ((2 * dtype_bytes + 1) if dropout else 0))
+    seq_split = t if sequence_parallel else 1
+    return tokens * (replicated / seq_split + (activation + scores) / t)
+
+
 def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads: int,
                            n_layers: int, vocab_size: int, *, recompute: str = "none",
                            dtype_bytes: int = 4) -> float:
@@ -135,6 +178,7 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
     return n_layers * layer + final_norm + logits
 
 
-__all__ = ["RECOMPUTE_MODES", "activation_bytes_per_layer", "adam_bytes_per_param", "logits_bytes",
+__all__ = ["MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES", "activation_bytes_per_layer",
+           "memory_bound_bytes_per_layer", "adam_bytes_per_param", "logits_bytes",
            "model_activation_bytes",
            "model_state_bytes", "model_state_bytes_by_kind", "model_state_bytes_per_param"]

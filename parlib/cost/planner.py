@@ -15,8 +15,10 @@ from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 
-_WHY_FASTER = {"compute": "less compute", "tp_comm": "less tensor-parallel traffic",
+_WHY_FASTER = {"compute": "less compute", "memory_bound": "fewer bytes through memory",
+               "tp_comm": "less tensor-parallel traffic",
                "cp_comm": "less exposed ring-attention traffic",
+               "ep_comm": "less expert all-to-all traffic",
                "pp_bubble": "a smaller pipeline bubble", "pp_send": "fewer stage-boundary sends",
                "dp_sync": "less gradient sync on the critical path"}
 
@@ -36,16 +38,17 @@ def divisors(n: int) -> list[int]:
 
 def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
                       ) -> Iterator[tuple[Layout, int, int]]:
-    """Every valid (layout, m, v): t divides the heads, p the layers, 2c the sequence (the
-    zig-zag split; c at most :data:`MAX_CP` and s/c at least :data:`MIN_CP_POSITIONS`, which
-    keeps the search small), v the layers per stage, d x m the global batch, and m is a
-    multiple of p when v > 1."""
+    """Every valid (layout, m, v): t divides the heads, p is at most the layers (uneven
+    stages when it does not divide them: :func:`~parlib.cost.stages.stage_layers`), 2c the
+    sequence (the zig-zag split; c at most :data:`MAX_CP` and s/c at least
+    :data:`MIN_CP_POSITIONS`, which keeps the search small), v the layers per stage (v = 1
+    for uneven stages), d x m the global batch, and m is a multiple of p when v > 1."""
     n = hardware.n_devices
     for t in divisors(n):
         if model.n_heads % t:
             continue
         for p in divisors(n // t):
-            if model.n_layers % p:
+            if p > model.n_layers:
                 continue
             for c in divisors(n // (t * p)):
                 if c > 1 and (c > MAX_CP or model.seq_len % (2 * c)
@@ -55,7 +58,8 @@ def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
                 if global_batch % d:
                     continue
                 layout = Layout(dp=d, cp=c, tp=t, pp=p)
-                chunks = divisors(model.n_layers // p) if p > 1 else [1]
+                chunks = (divisors(model.n_layers // p)
+                          if p > 1 and model.n_layers % p == 0 else [1])
                 for m in divisors(global_batch // d):
                     for v in chunks:
                         if v == 1 or m % p == 0:
@@ -88,15 +92,18 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top!r}")
     best: dict[Layout, Estimate] = {}
+    plain_fits: set[Layout] = set()  # fit with neither ZeRO nor recomputation
     smallest_split_that_fits = None
     for layout, m, v in candidate_layouts(model, hardware, global_batch):
         split = _split(layout)
         for recompute in RECOMPUTE:
-            for zero in ((0, 1, 2, 3) if layout.dp * layout.cp > 1 else (0,)):
+            for zero in _zero_stages(layout):
                 est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                                 sequence_parallel, mixed_precision)
                 if not est.fits:
                     continue
+                if zero == 0 and recompute is False:
+                    plain_fits.add(layout)
                 if smallest_split_that_fits is None or split < smallest_split_that_fits:
                     smallest_split_that_fits = split
                 if layout not in best or _faster(est, best[layout]):
@@ -104,8 +111,58 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
                 break  # a higher ZeRO stage only adds traffic once this one fits
     ranked = sorted(best.values(), key=lambda e: (e.step_time, _simplicity(e)))[:top]
     for est in ranked:
+        est.binding = binding_constraint(est, needed_help=est.layout not in plain_fits)
         est.reason = _reason(est, smallest_split_that_fits, best)
     return ranked
+
+
+def _zero_stages(layout: Layout) -> tuple[int, ...]:
+    """The ZeRO stages worth trying: none without data-parallel copies; never 3 with a
+    pipeline (the estimate refuses it: every microbatch would re-gather the weights)."""
+    if layout.dp * layout.cp == 1:
+        return (0,)
+    return (0, 1, 2) if layout.pp > 1 else (0, 1, 2, 3)
+
+
+# What each step part waits on, as the planner names the constraint that binds.
+_CONSTRAINT = {"compute": "compute", "memory_bound": "memory bandwidth",
+               "tp_comm": "the tensor-parallel link", "cp_comm": "the context-parallel link",
+               "ep_comm": "the expert-parallel link", "pp_bubble": "the pipeline bubble",
+               "pp_send": "the pipeline link", "dp_sync": "the data-parallel link"}
+# Memory binds when the layout needed ZeRO or recomputation to fit, or has under this much
+# of the device's memory to spare.
+MEMORY_BINDS_ABOVE = 0.9
+# Below this share of the step, nothing but compute is worth naming.
+OVERHEAD_WORTH_NAMING = 0.05
+
+
+def binding_constraint(est: Estimate, needed_help: bool | None = None) -> str:
+    """What limits this layout, one phrase: "memory" when it had to shard (ZeRO) or
+    recompute to fit, or fills more than :data:`MEMORY_BINDS_ABOVE` of memory; otherwise the
+    largest part of the step beyond compute (a link, named with where it runs, the pipeline
+    bubble, or memory bandwidth); "compute" when all of those together are under
+    :data:`OVERHEAD_WORTH_NAMING` of the step.
+
+    ``needed_help``: whether the layout failed to fit without ZeRO and recomputation (the
+    planner knows; selective recomputation may be picked for speed alone). None: judged
+    from the estimate, where ZeRO or full recomputation count as needed."""
+    if needed_help is None:
+        needed_help = bool(est.zero) or est.recompute is True
+    needed = ([f"ZeRO-{est.zero}"] * bool(est.zero) + ["recomputation"] * bool(est.recompute)
+              if needed_help else [])
+    used = est.memory_total / est.hardware.memory_bytes
+    if needed or used > MEMORY_BINDS_ABOVE:
+        why = " and ".join(needed) + " to fit" if needed else f"{used:.0%} used"
+        return f"memory ({why})"
+    overhead = [k for k in STEP_PARTS if k != "compute"]
+    if sum(est.time[k] for k in overhead) < OVERHEAD_WORTH_NAMING * est.step_time:
+        return "compute"
+    part = max(overhead, key=est.time.get)
+    name = _CONSTRAINT[part]
+    axis = part.split("_")[0]
+    if name.endswith("link") and est.links.get(axis, "none") != "none":
+        name += f" ({est.links[axis]})"
+    return f"{name} ({est.time[part] / est.step_time:.0%} of the step)"
 
 
 def _split(layout: Layout) -> int:
@@ -155,11 +212,15 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
         parts.append(f"ZeRO-{est.zero} to fit")
     if est.recompute:
         kind = "full" if est.recompute is True else "selective"
-        parts.append(f"{kind} recomputation to fit")
+        parts.append(f"{kind} recomputation" + (" to fit" if est.binding.startswith("memory (")
+                                                 else ""))
     bound = max(STEP_PARTS, key=est.time.get)
     parts.append(f"{est.memory_total / cap:.0%} of memory; "
                  f"{est.time[bound] / est.step_time:.0%} of the step is {bound}")
+    if est.binding:
+        parts.append(f"binds: {est.binding}")
     return "; ".join(parts)
 
 
-__all__ = ["MAX_CP", "MIN_CP_POSITIONS", "best_layouts", "candidate_layouts", "divisors"]
+__all__ = ["MAX_CP", "MEMORY_BINDS_ABOVE", "MIN_CP_POSITIONS", "OVERHEAD_WORTH_NAMING",
+           "best_layouts", "binding_constraint", "candidate_layouts", "divisors"]

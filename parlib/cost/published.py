@@ -34,7 +34,7 @@ class PublishedRun:
     teraFLOP/s) and "mfu" when it does not (Llama 3's "BF16 MFU"). ``settings`` are
     :func:`~parlib.cost.estimate.estimate`'s keyword arguments (m, global_batch, ...).
     ``reported`` is the fraction of the datasheet peak; the source's own rate comes with it
-    as TFLOP/s per device or tokens/s per device, whichever it states.
+    as TFLOP/s per device or tokens/s per device where it states one (None where not).
     """
 
     name: str
@@ -57,10 +57,6 @@ class PublishedRun:
         if not 0 < self.reported < 1:
             raise ValueError(f"{self.name}: reported must be a fraction of peak in (0, 1), "
                              f"got {self.reported!r}")
-        if self.reported_tflops_per_device is None and (
-                self.reported_tokens_per_second_per_device is None):
-            raise ValueError(f"{self.name}: give the source's own rate (TFLOP/s or tokens/s "
-                             f"per device)")
 
     def estimate(self) -> Estimate:
         return estimate(self.model, self.hardware, self.layout, **self.settings)
@@ -138,7 +134,7 @@ def _korthikanti_row(billions: str, heads: int, hidden: int, layers: int, p: int
         layout=Layout(dp=1, tp=8, pp=p),
         settings=dict(m=batch, global_batch=batch, recompute="selective",
                       sequence_parallel=True),
-        metric="mfu", reported=mfu / 100, reported_tflops_per_device=312 * mfu / 100,
+        metric="mfu", reported=mfu / 100, reported_tflops_per_device=None,
         assumed=_KORTHIKANTI_ASSUMED, cannot_know=_KORTHIKANTI_UNKNOWN)
 
 
@@ -147,8 +143,8 @@ def _korthikanti_row(billions: str, heads: int, hidden: int, layers: int, p: int
 # Table 4 (GPUs, TP, CP, PP, DP, sequence length, batch size per DP, tokens per batch,
 # TFLOPs per GPU, BF16 MFU) on H100 80 GB nodes of 8.
 _LLAMA = "Dubey et al. 2024 (Llama 3), Tables 3 and 4"
-_LLAMA_ASSUMED = ("128 layers, not 126, so that 16 stages divide them evenly (+1.6% params); "
-                  "microbatch 1 (batch per DP = m); v = 1, so the bubble is an upper bound; "
+_LLAMA_ASSUMED = ("126 layers in 16 stages, the first and last one layer short (the paper's "
+                  "rule); microbatch 1 (batch per DP = m); v = 1, so the bubble is an upper bound; "
                   "attention scores not stored (selective, as a fused attention kernel); "
                   "their FSDP modelled as ZeRO-2")
 _LLAMA_UNKNOWN = ("the paper's tuned pipeline schedule (interleaved, with its own number of "
@@ -156,7 +152,7 @@ _LLAMA_UNKNOWN = ("the paper's tuned pipeline schedule (interleaved, with its ow
 
 
 def _llama_405b(seq_len: int) -> Model:
-    return Model(128, 16384, 128, seq_len, 128000, ffn_dim=53248, n_kv_heads=8,
+    return Model(126, 16384, 128, seq_len, 128000, ffn_dim=53248, n_kv_heads=8,
                  gated_mlp=True, bias=False, learned_positions=False, name="Llama 3 405B")
 
 
@@ -182,27 +178,31 @@ def _llama_row(gpus: int, cp: int, dp: int, seq_len: int, batch_per_dp: int, tfl
 # vocabulary 250,680, global batch 2048) is the paper's. The rate is the "Rebalancing layers"
 # table of bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md (02-28):
 # 176B, DP 8, TP 4, PP 12, MBS 2, 112 heads, GBS 2048, 150.05 TFLOPs (the model page says
-# "about 150 TFLOPs"). Megatron-DeepSpeed's TFLOPs count the recomputed forward: "hfu".
+# "about 150 TFLOPs"). The training script (train/tr11-176B-ml/tr11-176B-ml.slurm) has the
+# same TP 4, PP 12, MBS 2, GBS 2048, --checkpoint-activations, bf16 with DeepSpeed's ZeRO-1
+# equivalent, and --pad-vocab-size-to 250880. Megatron-DeepSpeed's TFLOPs count the
+# recomputed forward: "hfu".
 # Omni-Path: 4 x 100 Gb/s = 50 GB/s a node, 6.25 GB/s per GPU (a quarter of a DGX's).
 JEAN_ZAY_A100 = Hardware.dgx_a100(384, inter_node=Link(alpha=10e-6, bandwidth=6.25 * GB),
                                   name="Jean Zay A100 80GB")
-_BLOOM = Model(72, 14336, 112, 2048, 250680, tied_embeddings=True, learned_positions=False,
+_BLOOM = Model(70, 14336, 112, 2048, 250880, tied_embeddings=True, learned_positions=False,
                dropout=True, name="BLOOM 176B")
 BLOOM_RUN = PublishedRun(
     name="BLOOM 176B, 384 A100",
     source=("BigScience tr11-176B-ml chronicles-prequel.md, 'Rebalancing layers' (02-28): 70 "
             "layers, hidden 14336, 112 heads, DP 8, TP 4, PP 12, MBS 2, GBS 2048, 150.05 "
-            "TFLOPs; model page: 384 A100 80GB, 'about 150 TFLOPs'; shape: Le Scao et al. 2022"),
+            "TFLOPs; model page: 384 A100 80GB, 'about 150 TFLOPs'; tr11-176B-ml.slurm"),
     model=_BLOOM,
     hardware=JEAN_ZAY_A100,
     layout=Layout(dp=8, tp=4, pp=12),
     settings=dict(m=128, global_batch=2048, zero=1, recompute=True, sequence_parallel=False),
     metric="hfu", reported=150.05 / 312, reported_tflops_per_device=150.05,
-    assumed=("72 layers, not 70: the two embedding slots that balance 12 stages of 6 counted as "
-             "layers (+2.9% FLOPs); full recomputation; ZeRO-1; 1F1B, v = 1; the Jean Zay "
-             "inter-node link at 6.25 GB/s per GPU, NVLink as a DGX's"),
-    cannot_know=("the 4-link NVLink of a Jean Zay node (not a DGX's NVSwitch), and a rate read "
-                 "from one benchmark iteration, not the whole run"))
+    assumed=("70 layers in 12 stages, the first and last one layer short (BigScience gave "
+             "the embeddings those slots); vocabulary padded to 250,880; ZeRO-1; 1F1B, v = 1; "
+             "the Jean Zay inter-node link at 6.25 GB/s per GPU, NVLink as a DGX's"),
+    cannot_know=("the 4-link NVLink of a Jean Zay node (not a DGX's NVSwitch); a rate read "
+                 "from one benchmark iteration; the script's CUDA_LAUNCH_BLOCKING=1 (a "
+                 "workaround for hangs) serialising kernel launches"))
 
 
 # Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", Sec. 2.4: 992
@@ -233,26 +233,70 @@ OPT_RUN = PublishedRun(
 # 14,336; 70B: 80 layers, 8192, 64 heads, 8 KV heads, FFN 28,672; vocabulary 128,256),
 # torchtitan's sequence length 8192.
 _TORCHTITAN = "torchtitan docs/performance.md (commit 0413364), Llama 3 on 64 A100 (FSDP2)"
-_TORCHTITAN_UNKNOWN = ("the cluster's network and whether the A100 nodes are DGX-like; "
-                       "torchtitan's MFU counts only non-embedding parameters")
+_TORCHTITAN_UNKNOWN = ("the cluster's network and whether its A100 nodes are DGX-like; what "
+                       "torchtitan's attention and norm kernels cost beside the matmuls")
 
 
 def _titan_row(size: str, layers: int, hidden: int, heads: int, ffn: int, recompute: bool | str,
                checkpointing: str, wps: int, mfu: float) -> PublishedRun:
+    model = Model(layers, hidden, heads, 8192, 128256, ffn_dim=ffn, n_kv_heads=8,
+                  gated_mlp=True, bias=False, learned_positions=False, name=f"Llama 3 {size}")
+    hardware = Hardware.dgx_a100(64)
+    # torchtitan's MFU (at that commit) counts 6 x all parameters, the embedding's included,
+    # which multiply nothing; the same WPS with our FLOPs per token is the comparable figure.
+    ours = wps * model.flops_per_token / hardware.peak_flops
     return PublishedRun(
         name=f"Llama 3 {size}, 64 A100 FSDP",
-        source=f"{_TORCHTITAN}: {size}, batch 1, {checkpointing} AC, {wps} WPS, {mfu}% MFU",
-        model=Model(layers, hidden, heads, 8192, 128256, ffn_dim=ffn, n_kv_heads=8,
-                    gated_mlp=True, bias=False, learned_positions=False,
-                    name=f"Llama 3 {size}"),
-        hardware=Hardware.dgx_a100(64),
+        source=(f"{_TORCHTITAN}: {size}, batch 1, {checkpointing} AC, {wps} WPS, {mfu}% MFU "
+                f"as torchtitan counts it ({ours:.1%} with our FLOPs per token)"),
+        model=model,
+        hardware=hardware,
         layout=Layout(dp=64),
         settings=dict(m=1, global_batch=64, zero=3, recompute=recompute),
-        metric="mfu", reported=mfu / 100, reported_tflops_per_device=None,
+        metric="mfu", reported=ours, reported_tflops_per_device=None,
         reported_tokens_per_second_per_device=wps,
         assumed=(f"sequence 8192; FSDP2 as ZeRO-3; {checkpointing} checkpointing as "
-                 f"recompute={recompute!r}; DGX A100 nodes"),
+                 f"recompute={recompute!r}; DGX A100 nodes; MFU recomputed from WPS with our "
+                 f"FLOP count (torchtitan's {mfu}% counts the embedding's parameters)"),
         cannot_know=_TORCHTITAN_UNKNOWN)
+
+
+# MosaicML llm-foundry, scripts/train/benchmarking/README.md, table "H100 80GB BF16": MPT
+# models with FSDP FULL_SHARD. Columns used: model, SeqLen, # GPUs, MFU, MicroBatchSize,
+# GradAccum, GlobalBatchSize, Throughput (T/s/GPU), Activation Checkpointing, NumParams. The
+# shapes are the repository's scripts/train/yamls/pretrain/mpt-7b.yaml and mpt-30b.yaml
+# (d_model, n_heads, n_layers, vocabulary 50,368); with biases, learned positions and a tied
+# output our parameter count is the table's NumParams exactly.
+_MOSAIC = "MosaicML llm-foundry benchmarking README, 'H100 80GB BF16' table"
+_MOSAIC_UNKNOWN = ("MosaicML's cluster (its nodes and network are not DGX H100 by name), and "
+                   "what its Triton attention and unfused norms cost beside the matmuls")
+
+
+def _mosaic_row(size: str, layers: int, hidden: int, heads: int, gpus: int, micro: int,
+                accum: int, batch: int, checkpointing: bool, tokens_per_gpu: int, mfu: float,
+                n_params: int) -> PublishedRun:
+    model = Model(layers, hidden, heads, 2048, 50368, tied_embeddings=True, name=f"MPT {size}")
+    hardware = Hardware.dgx_h100(gpus)
+    # their MFU counts 6 x all parameters (embedding and positions too); ours does not
+    ours = tokens_per_gpu * model.flops_per_token / hardware.peak_flops
+    return PublishedRun(
+        name=f"MPT {size}, {gpus} H100 FSDP",
+        source=(f"{_MOSAIC}: {size}, seq 2048, {gpus} GPUs, microbatch {micro}, accum "
+                f"{accum}, global batch {batch}, AC {checkpointing}, {tokens_per_gpu} "
+                f"T/s/GPU, {mfu}% MFU as MosaicML counts it ({ours:.1%} with our FLOPs per "
+                f"token), {n_params} params"),
+        model=model,
+        hardware=hardware,
+        layout=Layout(dp=gpus),
+        # without checkpointing, the fused (Triton) attention still stores no scores: "selective"
+        settings=dict(m=accum, global_batch=batch, zero=3,
+                      recompute=True if checkpointing else "selective"),
+        metric="mfu", reported=ours, reported_tflops_per_device=None,
+        reported_tokens_per_second_per_device=tokens_per_gpu,
+        assumed=("FSDP FULL_SHARD as ZeRO-3; activation checkpointing as full recomputation, "
+                 "none as 'selective' (the fused attention stores no scores); DGX H100 nodes; "
+                 "MFU recomputed from T/s/GPU with our FLOP count"),
+        cannot_know=_MOSAIC_UNKNOWN, reported_params=round(n_params / 1e9, 1))
 
 
 MEGATRON_RUNS = (
@@ -275,7 +319,14 @@ TORCHTITAN_RUNS = (
     _titan_row("8B", 32, 4096, 32, 14336, "selective", "selective op", 2973, 58.2),
     _titan_row("70B", 80, 8192, 64, 28672, True, "full", 331, 51.7),
 )
-RUNS = MEGATRON_RUNS + KORTHIKANTI_RUNS + LLAMA_RUNS + (BLOOM_RUN, OPT_RUN) + TORCHTITAN_RUNS
+# Megatron-LM's and Llama 3's rows first, in the order chapter 08 indexes them (RUNS[3] is
+# Llama 3 on 8,192 GPUs).
+MOSAIC_RUNS = (
+    _mosaic_row("7B", 32, 4096, 32, 8, 6, 1, 48, False, 10643, 46.44, 6658859008),
+    _mosaic_row("30B", 48, 7168, 56, 32, 14, 3, 1344, True, 2308, 43.92, 29975214080),
+)
+RUNS = (MEGATRON_RUNS + LLAMA_RUNS + KORTHIKANTI_RUNS + (BLOOM_RUN, OPT_RUN) + TORCHTITAN_RUNS
+        + MOSAIC_RUNS)
 
 
 def agreement(runs: tuple[PublishedRun, ...] = RUNS,
@@ -310,5 +361,5 @@ def caveats_table(runs: tuple[PublishedRun, ...] = RUNS) -> str:
 
 
 __all__ = ["BLOOM_RUN", "JEAN_ZAY_A100", "KORTHIKANTI_RUNS", "LLAMA_RUNS", "MEGATRON_RUNS",
-           "OPT_RUN", "RUNS", "TARGET_BAND", "TORCHTITAN_RUNS", "PublishedRun", "agreement",
-           "caveats_table", "comparison_table"]
+           "MOSAIC_RUNS", "OPT_RUN", "RUNS", "TARGET_BAND", "TORCHTITAN_RUNS", "PublishedRun",
+           "agreement", "caveats_table", "comparison_table"]

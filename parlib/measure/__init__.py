@@ -17,6 +17,8 @@
   the third view), labelled as such.
 - :mod:`~parlib.measure.links`: the all-reduce alpha-beta fit the launching chapter saves and later
   chapters read (:func:`load_link`).
+- :mod:`~parlib.measure.matmul_rate`: the best matmul FLOP/s over a sweep of shapes, saved
+  and read back the same way (:func:`measure_matmul_rate`, :func:`load_matmul_rate`).
 
 The names below load their module on first use, so that ``parlib.measure.timeline`` (no
 torch) can be imported without torch.
@@ -42,6 +44,9 @@ _WHERE = {
     "LinkFit": "links", "fit_link": "links", "load_link": "links", "save_links": "links",
     "load_or_measure": "links",
     "time_all_reduce": "links",
+    "MatmulRate": "matmul_rate", "load_matmul_rate": "matmul_rate",
+    "matmul_flops": "matmul_rate", "measure_matmul_rate": "matmul_rate",
+    "save_matmul_rate": "matmul_rate",
 }
 
 __all__ = sorted(_WHERE)

@@ -195,7 +195,12 @@ def test_wrong_kinds_of_model_and_hardware_are_named():
     (dict(m=-1), r"m must be a positive integer"),
     (dict(global_batch=0), r"global_batch must be a positive integer"),
     (dict(tp=3, dp=1, pp=1, n=3), r"t = 3 does not divide the model's 32 attention heads"),
-    (dict(tp=1, pp=3, dp=1, n=3), r"p = 3 does not divide the model's 32 layers"),
+    (dict(tp=1, pp=3, dp=1, n=3, m=3, global_batch=3), None),  # uneven stages: 11, 11, 10
+    (dict(tp=1, pp=64, dp=1, n=64, m=64, global_batch=64),
+     r"p = 64 stages need at least one layer each, but the model has 32 layers"),
+    (dict(tp=1, pp=3, dp=1, n=3, v=2, m=3, global_batch=3),
+     r"the interleaved schedule needs p = 3 to divide the model's 32 layers"),
+    (dict(tp=2, pp=2, dp=4, zero=3), r"ZeRO-3 with a pipeline \(p = 2\) is refused"),
     (dict(global_batch=60), r"global_batch = 60 is not divisible by d x m = 2 x 8 = 16"),
     (dict(zero=4), r"zero must be 0, 1, 2 or 3"),
     (dict(recompute="yes"), r"recompute must be False, 'selective' or True"),

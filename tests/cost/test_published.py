@@ -1,37 +1,108 @@
-"""The cost model against published runs (parlib.cost.published cites each paper and table).
+"""The cost model against published runs (parlib.cost.published cites each source and table).
 
-The presets compute at peak, so a prediction is an upper bound on utilisation; the band
-below says: the reported figure is between 45% and 110% of the prediction. Below 45% the
-model would be far too optimistic; above 100% it charges the run for more than it paid
-(110% leaves room for the one run whose pipeline schedule we model cruder than it was).
+The presets run at their generation's achievable matmul fraction (parlib.cost.efficiency),
+one number per generation, never tuned per run. The issue's target is reported / predicted
+within 0.8-1.25 for 8 of 10 runs. With costcore at 80a5a3e (memory-bound ops charged, uneven
+stages) the model reaches 9 of 16, four of them at the band's edge (Megatron-LM 76.1B 0.801,
+145.6B 0.803, Korthikanti 1T 0.800, 530B 0.808); the others in: Llama 3 on 8,192 GPUs 0.99,
+on 16,384 1.24 and 1.20 (v = 1's bubble charged; the run interleaved), torchtitan 70B 0.93,
+MPT 30B 0.83. Outside, all below: Megatron-LM 1008B 0.79, Korthikanti 175B 0.78 and 22B
+0.66, BLOOM 0.76, OPT 0.72, torchtitan 8B 0.72, MPT 7B 0.64 (the model is optimistic on
+the smaller, faster-stepping runs). test_agreement_does_not_regress guards that count.
 """
+
+import dataclasses
 
 import pytest
 
-from parlib.cost.published import RUNS, comparison_table
+from parlib.cost.estimate import estimate
+from parlib.cost.published import (
+    RUNS,
+    TARGET_BAND,
+    PublishedRun,
+    agreement,
+    caveats_table,
+    comparison_table,
+)
 
-BAND = (0.45, 1.10)
+# What the model reaches today (see the module docstring); raise it when the model improves.
+RUNS_IN_BAND_AT_LEAST = 9
+# A run far outside this is a broken row or a broken model, not a modelling limit.
+SANITY_BAND = (0.45, 1.3)
 
 
-def test_the_comparison_table_prints():
+def test_enough_runs_from_enough_sources():
+    assert len(RUNS) >= 10
+    sources = {run.source.split(",")[0].split(":")[0].split(" (")[0] for run in RUNS}
+    assert len(sources) >= 5, sources
+    assert len({run.name for run in RUNS}) == len(RUNS)
+
+
+def test_the_tables_print_one_row_per_run():
     table = comparison_table()
-    print("\n" + table)
-    assert len(table.splitlines()) == len(RUNS) + 1
+    print("\n" + table + "\n\n" + caveats_table())
+    assert len(table.splitlines()) == len(RUNS) + 2
+    inside, total = agreement()
+    assert table.splitlines()[-1].startswith(f"{inside} of {total} runs")
+    assert len(caveats_table().splitlines()) == len(RUNS)
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r.name)
-def test_published_run_fits_and_utilisation_is_in_band(run):
+def test_published_run_is_well_formed_and_fits(run):
     est = run.estimate()
     predicted = run.predicted(est)
-    print(f"\n{run.name}: predicted {run.metric.upper()} {predicted:.1%} at peak compute, "
-          f"reported {run.reported:.0%} ({run.reported_tflops_per_device} TFLOP/s per GPU); "
-          f"{est.memory_total / 1e9:.1f} GB of {est.hardware.memory_bytes / 1e9:.0f} GB\n"
-          f"  source: {run.source}\n  assumed: {run.assumed}")
+    print(f"\n{run.name}: predicted {run.metric.upper()} {predicted:.1%}, reported "
+          f"{run.reported:.1%}, ratio {run.ratio(est):.2f}; {est.memory_total / 1e9:.1f} GB\n"
+          f"  source: {run.source}\n  assumed: {run.assumed}\n  cannot know: {run.cannot_know}")
+    assert run.source and run.assumed and run.cannot_know
     if run.reported_params is not None:  # our parameter count reproduces the table's
         assert round(run.model.n_params / 1e9, 1) == run.reported_params
     assert est.fits, est.reason
     assert est.hardware.n_devices == est.layout.world == run.layout.world
-    assert BAND[0] <= run.reported / predicted <= BAND[1]
-    # the paper's own per-GPU rate is its utilisation of the same peak we use
-    assert run.reported_tflops_per_device * 1e12 / est.hardware.peak_flops == pytest.approx(
-        run.reported, abs=0.01)
+    assert est.hardware.compute_efficiency < 1  # one achievable fraction per generation
+    assert SANITY_BAND[0] <= run.ratio(est) <= SANITY_BAND[1]
+    # the source's own rate is its utilisation of the same datasheet peak we use
+    if run.reported_tflops_per_device is not None:
+        assert run.reported_tflops_per_device * 1e12 / est.hardware.peak_flops == pytest.approx(
+            run.reported, abs=0.01)
+    if run.reported_tokens_per_second_per_device is not None:
+        # reported is the source's tokens/s under our FLOP count; the source's own MFU (it
+        # counts the embedding's parameters too) is at most 7% above it
+        flops = run.reported_tokens_per_second_per_device * run.model.flops_per_token
+        assert flops / est.hardware.peak_flops == pytest.approx(run.reported)
+        stated = float(run.source.split("% MFU")[0].rsplit(" ", 1)[1]) / 100
+        assert run.reported < stated < 1.07 * run.reported
+
+
+def test_the_comparison_is_computed_from_estimate():
+    run = RUNS[0]
+    est = estimate(run.model, run.hardware, run.layout, **run.settings)
+    assert run.predicted() == pytest.approx(est.hfu)
+    assert run.ratio() == pytest.approx(run.reported / est.hfu)
+    # half the achievable compute: the prediction moves, so nothing in it is a constant
+    slower = dataclasses.replace(run, hardware=run.hardware.with_(
+        compute_efficiency=run.hardware.compute_efficiency / 2))
+    assert slower.predicted() < 0.6 * run.predicted()
+    assert slower.ratio() > 1.6 * run.ratio()
+    assert str(round(run.ratio(), 2)) in comparison_table((run,))
+
+
+def test_agreement_counts_the_band():
+    run = RUNS[0]
+    assert agreement((run,), band=(0.0, 10.0)) == (1, 1)
+    assert agreement((run,), band=(run.ratio() + 0.01, 10.0)) == (0, 1)
+
+
+def test_agreement_does_not_regress():
+    inside, total = agreement(band=TARGET_BAND)
+    print(f"\n{inside} of {total} runs within {TARGET_BAND}")
+    assert inside >= RUNS_IN_BAND_AT_LEAST
+
+
+def test_a_malformed_run_is_refused():
+    run = RUNS[0]
+    with pytest.raises(ValueError, match="metric"):
+        dataclasses.replace(run, metric="tflops")
+    with pytest.raises(ValueError, match="fraction of peak"):
+        dataclasses.replace(run, reported=45)
+    assert isinstance(run, PublishedRun)

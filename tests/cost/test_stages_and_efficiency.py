@@ -1,0 +1,132 @@
+"""Uneven pipeline stages, memory-bound operations, the achievable-rate table, ZeRO-3 with a
+pipeline refused, and the planner naming what binds: each against a hand-worked case."""
+
+import math
+
+import pytest
+
+from parlib.cost import ACHIEVABLE, Hardware, Layout, Link, Model, achievable_fraction, estimate
+from parlib.cost.memory import memory_bound_bytes_per_layer
+from parlib.cost.planner import best_layouts, binding_constraint, candidate_layouts
+from parlib.cost.stages import stage_imbalance, stage_layers
+
+
+def test_126_layers_in_16_stages_lighten_the_first_and_last():
+    # ceil(126 / 16) = 8; 16 x 8 = 128 is 2 too many: one off the first, one off the last
+    assert stage_layers(126, 16) == [7] + [8] * 14 + [7]
+    assert stage_imbalance(126, 16) == 8 * 16 / 126
+    # 10 in 4: ceil = 3, 12 - 10 = 2 too many -> [2, 3, 3, 2]; 9 in 4: 3 too many, the
+    # third taken from the second stage -> [2, 2, 3, 2]
+    assert stage_layers(10, 4) == [2, 3, 3, 2] and stage_layers(9, 4) == [2, 2, 3, 2]
+    assert stage_layers(32, 8) == [4] * 8 and stage_imbalance(32, 8) == 1
+    with pytest.raises(ValueError, match="at least one layer each"):
+        stage_layers(4, 5)
+
+
+TOY = Model(4, 8, 2, 4, 16)  # L=4, h=8, a=2, s=4, V=16, f=32
+TOY_HW = Hardware(4, 2, 1e9, 1e9, Link(1e-6, 1e9), Link(1e-5, 1e8))
+
+
+def test_memory_bound_bytes_by_hand():
+    # s=4, b=1, h=8, a=2, f=32, 2-byte elements, no dropout, scores stored, t = 1. Per token:
+    # norms 4h + residual adds 6h = 80 elements; GELU 2f = 64; softmax 2as = 16: 160 elements
+    # x 2 bytes = 320 B; x 4 tokens = 1280 B
+    assert memory_bound_bytes_per_layer(4, 1, 8, 2, dtype_bytes=2) == 1280
+    # fused attention (no scores): (80 + 64) x 2 x 4 = 1152 B
+    assert memory_bound_bytes_per_layer(4, 1, 8, 2, scores_stored=False) == 1152
+    # t = 2 with sequence parallelism: everything halves -> 640 B; without it only the
+    # split part: (80 + (64 + 16) / 2) x 2 x 4 = 960 B
+    assert memory_bound_bytes_per_layer(4, 1, 8, 2, t=2, sequence_parallel=True) == 640
+    assert memory_bound_bytes_per_layer(4, 1, 8, 2, t=2) == 960
+    # gated: 3f = 96 instead of 64 -> (80 + 96 + 16) x 2 x 4 = 1536 B
+    assert memory_bound_bytes_per_layer(4, 1, 8, 2, gated_mlp=True) == 1536
+
+
+def test_estimate_charges_memory_bound_time_beside_compute():
+    # TOY on one device, fp32 (4-byte elements), b = 2, m = 1, nothing recomputed (scores
+    # stored): per layer forward 2 x 4 tokens x 160 elements x 4 B = 5120 B; forward plus a
+    # backward of twice it: 3 x 5120 = 15360 B a layer, 4 layers = 61440 B at 1 GB/s = 61.44 us
+    hw = TOY_HW.with_(n_devices=1, devices_per_node=1, memory_bandwidth=1e9)
+    est = estimate(TOY, hw, Layout(), m=1, global_batch=2, mixed_precision=False)
+    assert est.time["memory_bound"] == pytest.approx(61.44e-6)
+    # full recomputation runs the forward again: 4 x 5120 x 4 layers = 81.92 us
+    full = estimate(TOY, hw, Layout(), m=1, global_batch=2, mixed_precision=False,
+                    recompute=True)
+    assert full.time["memory_bound"] == pytest.approx(81.92e-6)
+    # half the efficiency, twice the time; no bandwidth given, no charge
+    slow = estimate(TOY, hw.with_(memory_efficiency=0.5), Layout(), m=1, global_batch=2,
+                    mixed_precision=False)
+    assert slow.time["memory_bound"] == pytest.approx(2 * 61.44e-6)
+    assert estimate(TOY, hw.with_(memory_bandwidth=math.inf), Layout(), m=1, global_batch=2
+                    ).time["memory_bound"] == 0
+    assert est.step_time == pytest.approx(est.time["compute"] + 61.44e-6)
+
+
+def test_presets_run_at_their_generations_achievable_fraction():
+    h100 = Hardware.dgx_h100(8)
+    assert h100.generation == "H100" and h100.memory_bandwidth == 3.35e12
+    assert h100.compute_efficiency == achievable_fraction("H100") == pytest.approx(0.801, abs=1e-3)
+    assert Hardware.dgx_a100(8).compute_efficiency == pytest.approx(267.9 / 312)
+    assert all(row.source and 0 < row.matmul_fraction <= 1 for row in ACHIEVABLE.values())
+    assert h100.at_peak.compute_efficiency == 1.0 == h100.at_peak.memory_efficiency
+    with pytest.raises(ValueError, match="no achievable-fraction row for generation 'Z9'"):
+        achievable_fraction("Z9")
+    # compute time scales as 1 / efficiency: the same layout at peak is 0.801x as long
+    model = Model(32, 4096, 32, 2048, 51200)
+    kw = dict(m=1, global_batch=8)
+    real = estimate(model, h100, Layout(dp=8), **kw)
+    peak = estimate(model, h100.at_peak, Layout(dp=8), **kw)
+    assert peak.time["compute"] / real.time["compute"] == pytest.approx(792.1 / 989)
+    assert real.mfu < peak.mfu and real.hfu == real.mfu  # nothing recomputed: HFU = MFU
+
+
+def test_uneven_stages_follow_the_slowest_and_the_worst_stage():
+    # 10 layers in 4 stages: [2, 3, 3, 2]; the layers' compute stretches by 3 x 4 / 10 = 1.2
+    model = Model(10, 64, 4, 32, 128, dropout=False)
+    hw = Hardware(4, 4, 1e12, 1e9, Link(1e-6, 1e9), Link(1e-6, 1e9))
+    est = estimate(model, hw, Layout(pp=4), m=4, global_batch=4, mixed_precision=False)
+    assert est.stage_layers == [2, 3, 3, 2]
+    tokens = 4 * 32
+    layers_flops = model.flops_per_token * tokens - 6 * 128 * 64 * tokens
+    head_flops = 6 * 128 * 64 * tokens
+    assert est.time["compute"] == pytest.approx((layers_flops * 1.2 + head_flops) / 4 / 1e9)
+    # memory: the second stage (3 layers, 3 microbatches in flight) holds 9 layers' worth of
+    # activations, the first (2 layers, 4 in flight) 8: the second is the worst
+    assert est.stage == "stage 2 of 4", est.stage
+    # a HFU of recomputation: full recompute reruns the layers' forward
+    full = estimate(model, hw, Layout(pp=4), m=4, global_batch=4, recompute=True)
+    assert full.hfu > full.mfu
+
+
+def test_zero3_with_a_pipeline_is_refused_and_never_planned():
+    model = Model(32, 4096, 32, 2048, 51200)
+    hw = Hardware.dgx_h100(64)
+    with pytest.raises(ValueError, match=r"ZeRO-3 with a pipeline \(p = 8\) is refused"):
+        estimate(model, hw, Layout(dp=8, pp=8), m=64, global_batch=512, zero=3, v=2)
+    assert estimate(model, hw, Layout(dp=64), m=1, global_batch=512, zero=3).zero == 3
+    picks = best_layouts(model, hw, global_batch=512, top=50)
+    assert picks and not [e for e in picks if e.zero == 3 and e.layout.pp > 1]
+    assert any(lay.pp > 1 for lay, _, _ in candidate_layouts(model, hw, 512))
+
+
+def test_the_planner_names_the_binding_constraint():
+    small = Model(12, 768, 12, 1024, 50257)
+    # a small model on fast links: compute binds (little else is left)
+    roomy = best_layouts(small, Hardware.dgx_h100(8).with_(memory_bandwidth=math.inf),
+                         global_batch=512)[0]
+    assert roomy.binding == "compute", roomy.binding
+    # memory bandwidth: the same model where memory-bound work is counted
+    counted = best_layouts(small, Hardware.dgx_h100(8), global_batch=512)[0]
+    assert counted.binding.startswith("memory bandwidth"), counted.binding
+    assert "binds: memory bandwidth" in counted.reason
+    # memory: a 7B model on 14 GB devices has to split or shard to fit
+    llama = Model(32, 4096, 32, 4096, 32000, ffn_dim=11008, gated_mlp=True, bias=False,
+                  learned_positions=False)
+    tight = best_layouts(llama, Hardware.dgx_h100(8, memory_bytes=14e9), global_batch=8)[0]
+    assert tight.binding.startswith("memory ("), tight.binding
+    # a link: the gradient sync over a 1 GB/s inter-node link, with memory to spare
+    slow = Hardware.dgx_h100(16).with_(inter_node=Link(10e-6, 1e9))
+    est = estimate(small, slow, Layout(dp=16), m=1, global_batch=64)
+    assert binding_constraint(est) == (
+        f"the data-parallel link (inter-node) ({est.time['dp_sync'] / est.step_time:.0%} "
+        "of the step)")

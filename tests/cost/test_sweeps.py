@@ -1,0 +1,113 @@
+"""Ranking published layout sweeps (parlib.cost.sweeps).
+
+The issue's targets are Spearman >= 0.8 and the model's pick within 5% of the measured best.
+The model misses both on BigScience's two Jean Zay sweeps (costcore at 80a5a3e): Spearman
+0.23 over 17 layouts and -0.86 over 7, the pick at 0.85 of the best in each. The sweeps vary
+the microbatch size, and the measurements run faster with bigger microbatches (bigger
+matmuls), while the model's matmul rate does not depend on their shape: it sees only the
+smaller bubble of more, smaller microbatches, and picks MBS 1. The guards below are set at
+that level.
+"""
+
+import dataclasses
+
+import pytest
+
+from parlib.cost.layout import Layout
+from parlib.cost.sweeps import (
+    SWEEPS,
+    Sweep,
+    SweepPoint,
+    ranking_table,
+    ranks,
+    spearman,
+    sweep_table,
+)
+
+# Today's figures (see the docstring): regression guards, not the targets.
+CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.15,
+                        "BigScience 181B, 384 A100: PP x MBS at TP 8": -0.9}
+PICK_AT_LEAST = 0.84
+
+
+def test_ranks_average_ties():
+    assert ranks([10.0, 30.0, 20.0]) == [1, 3, 2]
+    assert ranks([5.0, 1.0, 5.0, 2.0]) == [3.5, 1, 3.5, 2]
+
+
+def test_spearman_against_a_hand_worked_case():
+    # ranks x: 1 2 3 4 5, ranks y: 2 1 4 3 5; d^2 = 1+1+1+1+0 = 4;
+    # rho = 1 - 6 * 4 / (5 * (25 - 1)) = 1 - 24/120 = 0.8
+    assert spearman([1, 2, 3, 4, 5], [20, 10, 40, 30, 50]) == pytest.approx(0.8)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [1, 4, 9]) == pytest.approx(1.0)  # ranks, not values
+    # ties: ranks y = 1.5 1.5 3; Pearson of (1,2,3) with them = 0.866
+    assert spearman([1, 2, 3], [7, 7, 9]) == pytest.approx(3 ** 0.5 / 2)
+
+
+def test_spearman_refuses_what_it_cannot_rank():
+    with pytest.raises(ValueError, match="one length"):
+        spearman([1, 2], [1, 2, 3])
+    with pytest.raises(ValueError, match="all values equal"):
+        spearman([1, 2, 3], [4, 4, 4])
+
+
+@pytest.mark.parametrize("sweep", SWEEPS, ids=lambda s: s.name)
+def test_sweep_is_one_model_on_one_cluster_and_well_formed(sweep):
+    print("\n" + sweep_table(sweep) + f"\n  source: {sweep.source}\n  precision: "
+          f"{sweep.precision}\n  assumed: {sweep.assumed}")
+    assert sweep.source and sweep.precision and sweep.assumed
+    assert len({p.label for p in sweep.points}) == len(sweep.points)
+    assert len({(p.layout, p.settings["m"]) for p in sweep.points}) == len(sweep.points)
+    for point, est in zip(sweep.points, sweep.estimates()):
+        assert point.layout.world == sweep.hardware.n_devices
+        assert est.global_batch == point.settings["global_batch"]
+    assert len(sweep_table(sweep).splitlines()) == len(sweep.points) + 2
+
+
+@pytest.mark.parametrize("sweep", SWEEPS, ids=lambda s: s.name)
+def test_ranking_does_not_regress(sweep):
+    ests = sweep.estimates()
+    rho, pick = sweep.correlation(ests), sweep.top_pick_ratio(ests)
+    print(f"\n{sweep.name}: spearman {rho:.2f}, pick/best {pick:.2f}")
+    assert rho >= CORRELATION_AT_LEAST[sweep.name]
+    assert pick >= PICK_AT_LEAST
+
+
+def _toy_sweep(seconds: list[float]) -> Sweep:
+    base = SWEEPS[1]
+    points = tuple(dataclasses.replace(p, seconds_per_step=s)
+                   for p, s in zip(base.points, seconds))
+    return dataclasses.replace(base, points=points)
+
+
+def test_correlation_and_pick_come_from_the_measurements():
+    base = SWEEPS[1]
+    predicted = base.predicted()
+    # measurements in the model's own order: a perfect ranking, a perfect pick
+    agreeing = _toy_sweep([base.points[i].settings["global_batch"] / x
+                           for i, x in enumerate(predicted)])
+    assert agreeing.correlation() == pytest.approx(1.0)
+    assert agreeing.top_pick_ratio() == pytest.approx(1.0)
+    # the reverse order: -1, and the pick is the measured slowest
+    reverse = _toy_sweep([base.points[i].settings["global_batch"] * x
+                          for i, x in enumerate(predicted)])
+    assert reverse.correlation() == pytest.approx(-1.0)
+    assert reverse.top_pick_ratio() == pytest.approx(min(reverse.measured())
+                                                     / max(reverse.measured()))
+
+
+def test_ranking_table_prints_each_sweep():
+    table = ranking_table()
+    print("\n" + table)
+    assert len(table.splitlines()) == len(SWEEPS) + 2
+    for sweep in SWEEPS:
+        assert f"{sweep.correlation():.2f}" in table
+
+
+def test_bad_sweeps_are_refused():
+    point = SWEEPS[0].points[0]
+    with pytest.raises(ValueError, match="seconds_per_step"):
+        SweepPoint(Layout(dp=1), dict(m=1, global_batch=1), 0.0)
+    with pytest.raises(ValueError, match="at least 3"):
+        dataclasses.replace(SWEEPS[0], points=(point, point))
