@@ -20,19 +20,20 @@ Three tables:
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import parlib
 from parlib.cost import Hardware, Layout, Link, Model, estimate
+from parlib.measure.matmul_rate import MatmulRate, measure_matmul_rate
 from parlib.model import ModelConfig, build_model, make_batch, train_step
 
 
@@ -67,45 +68,46 @@ def _spread(values: list[float]) -> float:
 # --------------------------------------------------------------------------- 1. matmul
 
 
-@dataclass(frozen=True)
-class MatmulRate:
-    dtype: torch.dtype
-    n: int  # the best shape: n x n @ n x n
-    flops_per_second: float  # the median over repeats at that shape
-    spread: float
-
-
-def matmul_rate(dtype: torch.dtype, device: torch.device, sizes: tuple[int, ...],
-                repeats: int) -> MatmulRate:
-    """The best median rate of an n x n by n x n matmul over ``sizes`` (2 n^3 FLOPs each)."""
-    best = None
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        seconds = _timed(lambda: torch.mm(a, b), device, repeats, warmup=3)
-        rates = [2 * n**3 / s for s in seconds]
-        rate = MatmulRate(dtype, n, statistics.median(rates), _spread(rates))
-        if best is None or rate.flops_per_second > best.flops_per_second:
-            best = rate
-    assert best is not None
-    return best
+def matmul_rates(device: torch.device, sizes: tuple[int, ...], repeats: int
+                 ) -> list[MatmulRate]:
+    """The best matmul rate over every (m, n, k) of ``sizes``, in bf16 and in fp32
+    (:func:`parlib.measure.matmul_rate.measure_matmul_rate`)."""
+    shapes = list(itertools.product(sizes, repeat=3))
+    return [measure_matmul_rate(shapes, dtype=dtype, repeats=repeats, device=device.type)
+            for dtype in ("bfloat16", "float32")]
 
 
 def matmul_table(rates: list[MatmulRate]) -> str:
-    lines = [f"{'dtype':<9} {'best n':>7} {'TFLOP/s':>9} {'spread':>7}"]
+    lines = [f"{'dtype':<9} {'best m x n x k':>20} {'TFLOP/s':>9} {'spread':>7}"]
     for r in rates:
-        name = str(r.dtype).removeprefix("torch.")
-        lines.append(f"{name:<9} {r.n:>7} {r.flops_per_second / 1e12:>9.3f} {r.spread:>7.0%}")
+        shape = " x ".join(map(str, r.shape))
+        lines.append(f"{r.dtype:<9} {shape:>20} {r.flops_per_second / 1e12:>9.3f} "
+                     f"{r.spread:>7.0%}")
     return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- 2. one step
 
 
+def _memory_of(device: torch.device) -> dict[str, float]:
+    """The datasheet memory bandwidth (and its achievable fraction) of a GPU the presets
+    know, so the cost model charges the memory-bound operations; none on the CPU."""
+    if device.type != "cuda":
+        return {}
+    name = torch.cuda.get_device_name(device)
+    for generation, preset in (("H200", Hardware.dgx_h200), ("H100", Hardware.dgx_h100),
+                               ("A100", Hardware.dgx_a100)):
+        if generation in name:
+            hw = preset(1)
+            return {"memory_bandwidth": hw.memory_bandwidth,
+                    "memory_efficiency": hw.memory_efficiency}
+    return {}
+
+
 def step_check(cfg: ModelConfig, batch: int, device: torch.device, fp32_rate: float,
                repeats: int) -> dict[str, float]:
     """One device's training step (fp32, Adam): the cost model's time at ``fp32_rate``
-    against the measured median."""
+    (and, on a GPU the presets know, its memory bandwidth) against the measured median."""
     model = build_model(cfg, 0).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x, y = (t.to(device) for t in make_batch(batch, cfg, 0, 0))
@@ -113,18 +115,20 @@ def step_check(cfg: ModelConfig, batch: int, device: torch.device, fp32_rate: fl
     no_link = Link(alpha=0.0, bandwidth=math.inf)  # one device: nothing is sent
     one = Hardware(n_devices=1, devices_per_node=1, memory_bytes=math.inf,
                    peak_flops=fp32_rate, intra_node=no_link, inter_node=no_link,
-                   name="this device at its fp32 matmul rate")
+                   name="this device at its fp32 matmul rate", **_memory_of(device))
     predicted = estimate(Model.from_config(cfg), one, Layout(), m=1, global_batch=batch,
                          mixed_precision=False, sequence_parallel=False, dp_overlap=False)
     return {"params": Model.from_config(cfg).n_params, "tokens": batch * cfg.seq_len,
             "predicted": predicted.step_time, "measured": statistics.median(seconds),
+            "memory_bound": predicted.time.get("memory_bound", 0.0),
             "spread": _spread(seconds)}
 
 
 def step_table(cfg: ModelConfig, result: dict[str, float]) -> str:
     ratio = result["measured"] / result["predicted"]
     return (f"model: h={cfg.d_model}, L={cfg.n_layers}, s={cfg.seq_len}, "
-            f"{result['params'] / 1e6:.1f} M parameters, {result['tokens']} tokens per step\n"
+            f"{result['params'] / 1e6:.1f} M parameters, {result['tokens']} tokens per step; "
+            f"predicted memory-bound part {result['memory_bound']:.4f} s\n"
             f"{'predicted s':>12} {'measured s':>11} {'spread':>7} {'measured/predicted':>19}\n"
             f"{result['predicted']:>12.4f} {result['measured']:>11.4f} "
             f"{result['spread']:>7.0%} {ratio:>19.2f}")
@@ -307,17 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     fp32_rate = None
     if "matmul" in args.sections or "step" in args.sections:
         sizes = (2048, 4096, 8192) if on_gpu else (64, 128, 256)
-        repeats = 20 if on_gpu else 5
-        rates = [matmul_rate(dt, device, sizes, repeats) for dt in (torch.bfloat16, torch.float32)]
+        rates = matmul_rates(device, sizes, repeats=10 if on_gpu else 3)
         fp32_rate = rates[1].flops_per_second
         if "matmul" in args.sections:
-            print("\nmatmul rate (n x n @ n x n, fp32 without TF32; best n of "
+            print("\nmatmul rate (fp32 without TF32; best of every m, n, k in "
                   f"{', '.join(map(str, sizes))}):")
             print(matmul_table(rates))
     if "step" in args.sections:
         cfg = (ModelConfig(vocab_size=256, seq_len=1024, d_model=2048, n_heads=16, n_layers=8)
-               if on_gpu else ModelConfig(seq_len=32, d_model=64, n_layers=2))
-        batch = 8 if on_gpu else 2
+               if on_gpu else ModelConfig())
+        batch = 8
         assert fp32_rate is not None
         print("\none training step, fp32, Adam: cost model at the fp32 matmul rate above "
               "against measured:")
