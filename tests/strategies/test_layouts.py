@@ -138,3 +138,22 @@ def test_slowed_cluster_prediction_uses_both_links():
                                                           1 / (cluster.intra_node.beta + 1e-7))
     fast, slower = (L.predict(L.LAYOUTS, c) for c in (cluster, slowed))
     assert all(b.step_time > a.step_time for a, b in zip(fast, slower))
+
+
+def test_tables_spell_out_their_columns():
+    est = SimpleNamespace(step_time=0.2, memory={"params": 2**20, "grads": 2**20,
+                                                 "optimizer": 2**21, "activations": 2**20,
+                                                 "pipeline_in_flight": 0},
+                          time={"compute": 0.1, "tp_comm": 0.05, "pp_bubble": 0.0,
+                                "pp_send": 0.0, "dp_sync": 0.05})
+    row = {"layout": Layout(dp=4), "step_time": 0.3, "spread": 0.1,
+           "memory": {"params": 2**20, "grads": 2**20, "optimizer": 2**21,
+                      "activations": 2**20},
+           "parts": {"compute": 0.1, "tp": 0.1, "recv": 0.0, "dp": 0.05, "other": 0.05}}
+    text = L.table([est], [row])
+    for words in ("step time, ms", "model states, MiB", "activations, MiB", "predicted",
+                  "measured", "interquartile range", "1.50"):
+        assert words in text, words
+    parts = L.parts_table([est], [row])
+    for words in ("tensor-parallel all-reduces", "predicted / measured", "100/100"):
+        assert words in parts, words
