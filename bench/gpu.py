@@ -1,13 +1,15 @@
 """A prepared check for one GPU: its matmul rate, one training step predicted against measured,
 and the chapters' rank code run with its ranks on that GPU.
 
-    python bench/gpu.py                   # on CUDA: a few minutes on one H200
-    python bench/gpu.py --device cpu      # the same checks as a dry run on the CPU, seconds
+    python bench/gpu.py                   # on CUDA (expected: a few minutes on one H200)
+    python bench/gpu.py --device cpu      # the same checks as a dry run: about 30 s on 2 cores
+    python bench/gpu.py --sections ranks --cases pipeline.rank_step --worlds 2  # one check
 
 Three tables:
 
-1. ``matmul``: the best matmul rate over a sweep of square shapes, per dtype (bf16, fp32
-   with TF32 off), median of repeats, with its spread.
+1. ``matmul``: the best matmul rate over every (m, n, k) of a few sizes, per dtype (bf16,
+   fp32 with TF32 off), median of repeats, with its spread
+   (:func:`parlib.measure.matmul_rate.measure_matmul_rate`).
 2. ``step``: one single-device training step of a model sized for the device, predicted by
    the cost model (``estimate`` on a device whose peak is the fp32 matmul rate just
    measured) against measured (median of repeats).
