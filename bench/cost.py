@@ -13,10 +13,11 @@ Sections, each a function printing one table:
 - ``ranking``: the model's order of the layouts of published sweeps against the measured
   order (``parlib.cost.sweeps.ranking_table``, where that module exists).
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
-  measured here (the launching chapter's fit) and emulated devices, then run with the combining
-  chapter's code:
+  measured here and emulated devices, then run with the combining chapter's code:
   measured / predicted per layout, with the measured link and with an emulated slow one
-  (``SlowLink``). The emulated device runs at the tiny model's one-thread rate (median of
+  (``SlowLink``). The link is fitted to all-reduces each timed after a short sleep, as the
+  paced layers issue them (``--link fit``: the launching chapter's saved fit instead). The
+  emulated device runs at the tiny model's one-thread rate (median of
   ``--rate-repeats`` steps, spread printed) / ``--slowdown``; the slow link moves a byte in
   the time of ``--flops-per-byte`` emulated FLOPs, so its weight against compute does not
   depend on this machine's speed. Prints "N of 6 within 15%" and "N of 15 pairs in order"
@@ -106,7 +107,11 @@ def layouts_section(args: argparse.Namespace) -> None:
     from parlib.measure.links import load_or_measure
 
     print(f"\nlayouts: {_load()}")
-    fit, source = load_or_measure(4, launch=parlib.launch)
+    if args.link == "paced":  # all-reduces timed as the paced layers issue them
+        fit = L.paced_link_fit(parlib.launch, 4, timeout=300)
+        source = f"all-reduces each after a {L.PAUSE * 1e3:g} ms pause, as the layers issue them"
+    else:
+        fit, source = load_or_measure(4, launch=parlib.launch)
     one_thread = L.measure_rate(repeats=args.rate_repeats)
     rate = one_thread.median / args.slowdown
     beta = L.slow_link_beta(rate, args.flops_per_byte)
@@ -181,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--band", type=float, default=0.15,
                     help="layouts: measured / predicted counts as agreeing within 1 +- this")
     ap.add_argument("--layout-repeats", type=int, default=5, help="layouts: timed steps")
+    ap.add_argument("--link", choices=("fit", "paced"), default="paced",
+                    help="layouts: predict with the launching chapter's link fit (or a quick "
+                         "one), or with all-reduces timed each after a pause, as the layers "
+                         "issue them")
     return ap
 
 

@@ -36,6 +36,7 @@ from parlib.cost.model import BACKWARD_PER_FORWARD
 from parlib.experiments.combined import axis_traffic, stage_split_dims
 from parlib.experiments.pipeline import MeasuringHooks
 from parlib.measure.emulation import OVERRUN_SLACK, PacedCost, SlowLink, StageCost
+from parlib.measure.links import LinkFit, fit_link
 from parlib.measure.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
 from parlib.measure.timeline import Recorder
 from parlib.model import ModelConfig, build_model, make_batch, train_step
@@ -249,6 +250,36 @@ def rank_time_layouts(layouts: Sequence[Run] = LAYOUTS, *,
     return out
 
 
+PACED_SIZES = tuple(2**k for k in range(10, 23, 3))  # 1 KiB to 4 MiB, as the quick fit
+PAUSE = 2e-3  # seconds each rank sleeps before a timed all-reduce
+
+
+def rank_time_paced_all_reduce(sizes_bytes: Sequence[int], *, rounds: int = 5,
+                               pause: float = PAUSE) -> tuple[list[float], str, str]:
+    """Run on every rank: all-reduce times as a paced layer issues them. Each call follows a
+    barrier and a ``pause``-second sleep, so every rank arrives woken from a sleep, as it
+    does at a tensor-parallel all-reduce after its padded compute (the launching chapter's
+    fit calls straight after the barrier). Sizes interleaved over ``rounds``. Returns this
+    rank's median seconds per size, the device and the backend."""
+    if rounds < 1 or not pause >= 0:
+        raise ValueError(f"need rounds >= 1 and pause >= 0 s, got {rounds!r}, {pause!r}")
+    dev = this_device()
+    tensors = [torch.ones(max(1, n // 4), device=dev) for n in sizes_bytes]
+    for t in tensors:  # warm-up: connections, buffers
+        dist.all_reduce(t)
+    times: list[list[float]] = [[] for _ in tensors]
+    for _ in range(rounds):
+        for i, t in enumerate(tensors):
+            dist.barrier()
+            time.sleep(pause)
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(ts) for ts in times], str(dev), dist.get_backend()
+
+
 # --------------------------------------------------------------------------- in the kernel
 
 
@@ -292,6 +323,18 @@ class MeasuredRate:
         return (f"{self.median / 1e9:.1f} GFLOP/s with {self.threads} {thread} (median of "
                 f"{len(self.samples)} steps; quartiles {low / 1e9:.1f} to {high / 1e9:.1f}, "
                 f"spread {self.spread:.0%})")
+
+
+def paced_link_fit(launch: Any, world_size: int, *, sizes: Sequence[int] = PACED_SIZES,
+                   rounds: int = 5, pause: float = PAUSE, **launch_kwargs: Any) -> LinkFit:
+    """The link as the paced layers use it: :func:`rank_time_paced_all_reduce` on
+    ``world_size`` ranks (``launch`` is ``parlib.launch``), the slowest rank's median per
+    size, fitted to the alpha-beta line as the launching chapter fits it."""
+    results = launch(rank_time_paced_all_reduce, list(sizes), rounds=rounds, pause=pause,
+                     world_size=world_size, **launch_kwargs)
+    slowest = [max(times) for times in zip(*(r[0] for r in results))]
+    _, dev, backend = results[0]
+    return fit_link(world_size, list(sizes), slowest, device=dev, backend=backend)
 
 
 def measure_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repeats: int = 21,
@@ -447,6 +490,8 @@ def parts_table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -
 __all__ = [
     "LAYOUTS",
     "MeasuredRate",
+    "PACED_SIZES",
+    "PAUSE",
     "Run",
     "SLOWDOWN",
     "SLOW_LINK_FLOPS_PER_BYTE",
@@ -456,10 +501,12 @@ __all__ = [
     "make_adam",
     "measure_rate",
     "measured",
+    "paced_link_fit",
     "parts_table",
     "predict",
     "rank_order",
     "rank_time_layouts",
+    "rank_time_paced_all_reduce",
     "slow_link_beta",
     "table",
 ]

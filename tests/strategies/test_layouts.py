@@ -157,3 +157,13 @@ def test_tables_spell_out_their_columns():
     parts = L.parts_table([est], [row])
     for words in ("tensor-parallel all-reduces", "predicted / measured", "100/100"):
         assert words in parts, words
+
+
+def test_paced_link_fit_times_woken_all_reduces_and_fits_the_line():
+    fit = L.paced_link_fit(parlib.launch, 2, sizes=(2**10, 2**16, 2**20), rounds=2,
+                           pause=1e-3, timeout=60)
+    assert fit.n == 2 and fit.sizes == [2**10, 2**16, 2**20] and fit.backend == "gloo"
+    assert len(fit.seconds) == 3 and all(s > 0 for s in fit.seconds)
+    assert fit.seconds[2] > fit.seconds[0]  # a MiB takes longer than a KiB
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        L.rank_time_paced_all_reduce([1024], rounds=0)
