@@ -28,6 +28,18 @@ What the model assumes, in one place:
   c - 1 K/V blocks plus their gradients backward, each step's transfer overlapping that
   step's attention compute (1/c of the layer's attention); only the excess is exposed.
   cp ranks hold the same weights: the gradient sync (and ZeRO's sharding) runs over d x c.
+- Expert parallelism (e > 1, a mixture-of-experts model): ep borrows ranks, it does not
+  multiply the world size (DeepSeek-style): e divides d x c, and for the dense part
+  (attention, norms, embeddings, router) the ep ranks are plain data-parallel ranks; each
+  group of e of them splits every MoE layer's experts e ways (``Model.layer_expert_params
+  / e`` per rank, tensor parallelism splitting them t ways too), so an expert has
+  d x c / e copies and its gradients sync (and ZeRO shards) over those. Compute counts
+  top_k experts per token (:func:`~parlib.cost.experts.expert_flops_per_token`; a capacity
+  factor pads the experts' work and buffers by that factor). Per MoE layer per microbatch
+  four all-to-alls (dispatch and combine, forward and backward; two more with full
+  recomputation) of the rank's b x s/(c t) tokens x k choices x h
+  (:func:`~parlib.cost.experts.ep_all_to_all_bytes_per_layer`), routing balanced, on the
+  critical path: the step part ``ep_comm``.
 - Pipeline stages: when p does not divide the L layers, the first and last stages get one
   layer fewer (Llama 3's rule, :func:`~parlib.cost.stages.stage_layers`); the layers' share
   of compute and memory-bound time follows the slowest stage (most layers), the output
@@ -50,9 +62,11 @@ What the model assumes, in one place:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from parlib.cost.collectives import collective_time, message_time, predicted_sent_bytes
 from parlib.cost.context import LSE_BYTES, kv_block_bytes, ring_attention_sent_bytes_per_layer
+from parlib.cost.experts import ep_all_to_all_bytes_per_layer
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.memory import (
@@ -93,9 +107,9 @@ class Estimate:
     each pipeline stage; ``binding`` (set by the planner for its picks) names what limits
     the layout: "memory", "compute", "memory bandwidth", "the pipeline bubble" or a link.
     ``bytes_sent`` (per device per step) and ``links`` ("intra-node", "inter-node" or
-    "none") are keyed by axis name ("pp", "dp", "cp", "tp"). ``layout.tp`` and so on are the
-    sizes; ``m`` microbatches per step per data-parallel rank, ``v`` model chunks per
-    pipeline rank.
+    "none") are keyed by axis name ("pp", "dp", "cp", "tp", and "ep" where e > 1).
+    ``layout.tp`` and so on are the sizes; ``m`` microbatches per step per data-parallel
+    rank, ``v`` model chunks per pipeline rank.
     """
 
     model: Model = field(repr=False)
@@ -234,6 +248,12 @@ def check_layout(model: Model, n_devices: int, layout: Layout, *, m: int,
     if v > 1 and m % p:
         raise ValueError(f"the interleaved schedule (v = {v}) needs m a multiple of p; got "
                          f"m = {m}, p = {p}")
+    e = layout.ep
+    if e > 1 and not model.is_moe:
+        raise ValueError(f"e = {e}: expert parallelism needs a mixture-of-experts model "
+                         f"(Model(..., n_experts=E)); this one is dense")
+    if e > 1 and model.n_experts % e:
+        raise ValueError(f"e = {e} does not divide the model's {model.n_experts} experts")
     c = layout.cp
     if c > 1 and model.seq_len % (2 * c):
         raise ValueError(f"c = {c} needs the sequence length {model.seq_len} to split into "
@@ -256,8 +276,10 @@ def check_inputs(model: Model, hardware: Hardware) -> None:
 
 def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
-              mixed_precision: bool, dp_overlap: bool = True) -> Estimate:
-    """The estimate, inputs already checked (the planner calls this directly)."""
+              mixed_precision: bool, dp_overlap: bool = True,
+              only_if_fits: bool = False) -> Estimate | None:
+    """The estimate, inputs already checked (the planner calls this directly, with
+    ``only_if_fits``: None, before any time is worked out, when the memory does not fit)."""
     s, h, L = model.seq_len, model.d_model, model.n_layers
     d, t, p, c = layout.dp, layout.tp, layout.pp, layout.cp
     n = hardware.n_devices
@@ -265,57 +287,69 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     s_local = s // c  # positions per context-parallel rank
     act_bytes = 2 if mixed_precision else 4
     full = recompute is True
-    spans = {k: layout.span(k) for k in layout}
+    e = layout.ep
+    spans = _spans(layout)
     links = {k: hardware.link_for(span) for k, span in spans.items()}
+    # a layer's weights: the dense part (attention, norms, router) on every ep rank; the
+    # experts split e ways, their copies d x c / e
+    dense_layer = model.layer_params - model.layer_expert_params
+    expert_layer = model.layer_expert_params / e
 
     # ---- memory of the first, the last and the fullest middle stages; keep the largest
-    per_stage = stage_layers(L, p)
+    per_stage = _stage_layers(L, p)
     slowest = max(per_stage)
     tied_copy = model.vocab_size * h if model.tied_embeddings and p > 1 else 0
     if p == 1:
-        stages = {"only": (L, L, L * model.layer_params + model.embedding_params
+        stages = {"only": (L, L, L * dense_layer + model.embedding_params
                            + model.head_params)}
     else:
         # (layers, layers' worth of activations held, parameters); the first stage holds the
         # most microbatches in flight, stage i of 1F1B min(m, p - i), the last one
         first = per_stage[0]
         stages = {"first": (first, in_flight_microbatches(p, m, v) * first // v,
-                            first * model.layer_params + model.embedding_params),
+                            first * dense_layer + model.embedding_params),
                   "last": (per_stage[-1], per_stage[-1],
-                           per_stage[-1] * model.layer_params + model.head_params + tied_copy)}
+                           per_stage[-1] * dense_layer + model.head_params + tied_copy)}
         if v == 1 and L % p:  # uneven: a middle stage may hold more layers than the first
             fullest = next((i for i in range(1, p - 1) if per_stage[i] == slowest), None)
             for i in {1, fullest} - {None}:
                 if i < p - 1:
                     stages[f"stage {i + 1} of {p}"] = (
                         per_stage[i], min(m, p - i) * per_stage[i],
-                        per_stage[i] * model.layer_params)
+                        per_stage[i] * dense_layer)
     mode = {False: "none", "selective": "selective", True: "full"}[recompute]
     if c > 1 and mode == "none":
         mode = "selective"  # blockwise attention stores no scores
     per_layer = activation_bytes_per_layer(
         s_local, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
-        recompute=mode, dtype_bytes=act_bytes, dropout=model.dropout, ffn_dim=model.ffn_dim,
-        kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
+        recompute=mode, dtype_bytes=act_bytes, dropout=model.dropout,
+        ffn_dim=model.activation_ffn_dim, kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
     if c > 1 and not full:
         per_layer += model.n_heads / t * s_local * b * LSE_BYTES
     working = 0.0
     if full:  # the layer being recomputed holds its whole activations during its backward
         working = activation_bytes_per_layer(
             s_local, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
-            dtype_bytes=act_bytes, dropout=model.dropout, ffn_dim=model.ffn_dim,
+            dtype_bytes=act_bytes, dropout=model.dropout, ffn_dim=model.activation_ffn_dim,
             kv_dim=model.kv_dim, gated_mlp=model.gated_mlp, **(
                 {"recompute": "selective"} if c > 1 else {}))
     logits = logits_bytes(s_local, b, model.vocab_size, t=t, dtype_bytes=act_bytes)
     candidates = []
     for stage, (layers, held, params) in stages.items():
         states = model_state_bytes_by_kind(params / t, d * c, zero, mixed_precision)
+        if expert_layer:
+            experts = model_state_bytes_by_kind(layers * expert_layer / t, d * c // e, zero,
+                                                mixed_precision)
+            states = {k: states[k] + experts[k] for k in states}
         states["activations"] = layers * per_layer + working + (
             logits if stage in ("only", "last") else 0.0)
         states["pipeline_in_flight"] = (held - layers) * per_layer
-        candidates.append((sum(states.values()), stage, params / t,
+        candidates.append((sum(states.values()), stage, (params / t, layers * expert_layer / t),
                            {k: states[k] for k in MEMORY_PARTS}))
-    _, stage, params_per_device, memory = max(candidates, key=lambda c: c[0])
+    total, stage, (params_per_device, experts_per_device), memory = max(candidates,
+                                                                         key=lambda c: c[0])
+    if only_if_fits and total > hardware.memory_bytes:
+        return None
 
     # ---- FLOPs and compute time
     tokens = global_batch * s
@@ -323,6 +357,11 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     extra = {False: 0, "selective": model.attention_flops_per_token,
              True: model.layers_forward_flops_per_token}[recompute]
     hardware_flops = model_flops + extra * tokens
+    capacity = model.capacity_factor if model.is_moe and model.capacity_factor else 1.0
+    if capacity != 1.0:  # experts compute their padded buffers (or skip the dropped tokens)
+        expert_forward = L * 2 * model.top_k * model.expert_matmul_params * tokens
+        hardware_flops += (capacity - 1) * expert_forward * (
+            1 + BACKWARD_PER_FORWARD + (1 if full else 0))
     # the layers' FLOPs wait for the slowest stage; the output layer's stay spread evenly
     head_flops = (1 + BACKWARD_PER_FORWARD) * 2 * model.vocab_size * h * tokens
     imbalance = slowest * p / L
@@ -332,7 +371,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     # ---- memory-bound operations: bytes over memory bandwidth, every layer, every microbatch
     moved = memory_bound_bytes_per_layer(
         s_local, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
-        dtype_bytes=act_bytes, ffn_dim=model.ffn_dim, gated_mlp=model.gated_mlp,
+        dtype_bytes=act_bytes, ffn_dim=model.activation_ffn_dim, gated_mlp=model.gated_mlp,
         dropout=model.dropout, scores_stored=c == 1 and recompute != "selective")
     forwards = 1 + (1 if full else 0)
     memory_bound = (m * slowest * moved * (forwards + MEMORY_BOUND_BACKWARD_PER_FORWARD)
@@ -371,7 +410,19 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     cp_comm = cp_total - cp_hidden
 
     # ---- pipeline: bubble and boundary sends
-    ep_comm = 0.0
+    # ---- expert parallelism: per MoE layer per microbatch a dispatch and a combine
+    # all-to-all in forward, their gradients in backward, on the critical path
+    ep_comm = ep_bytes = 0.0
+    if e > 1:
+        tokens_here = b * s_local / t  # tensor-parallel ranks dispatch their share each
+        passes_ep = ("forward", "backward") + (("forward",) if full else ())
+        per_layer_bytes = capacity * ep_all_to_all_bytes_per_layer(
+            tokens_here, h, model.top_k, act_bytes, passes_ep)
+        count = 2 * len(passes_ep)  # dispatch and combine, each pass
+        one = collective_time("all_to_all", per_layer_bytes / count, e, links["ep"].alpha,
+                              links["ep"].beta)
+        ep_comm = m * slowest * count * one
+        ep_bytes = m * slowest * per_layer_bytes * (e - 1) / e  # the share that leaves
     busy = compute + memory_bound + tp_comm + cp_comm + ep_comm
     pp_bubble = pp_send = pp_bytes = 0.0
     if p > 1:
@@ -384,20 +435,23 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
 
     # ---- data parallelism: gradient sync over d x c (cp ranks hold the same weights),
     # partly hidden behind backward
+    # (the experts' gradients sync over their d x c / e copies)
     dp_total = dp_bytes = 0.0
     sync = d * c
-    if sync > 1:
-        per = model_state_bytes_by_kind(params_per_device, 1, 0, mixed_precision)
-        link = links["dp"] if d > 1 else links["cp"]
+    link = links["dp"] if d > 1 else links["cp"]
+    for group, weights in ((sync, params_per_device), (sync // e, experts_per_device)):
+        if group == 1 or not weights:
+            continue
+        per = model_state_bytes_by_kind(weights, 1, 0, mixed_precision)
         if zero == 0:
             ops = [(1, "all_reduce", per["grads"])]
         elif zero in (1, 2):
             ops = [(1, "reduce_scatter", per["grads"]), (1, "all_gather", per["params"])]
         else:  # ZeRO-3 gathers the weights for forward and again for backward, every microbatch
             ops = [(2 * m, "all_gather", per["params"]), (m, "reduce_scatter", per["grads"])]
-        dp_total = sum(k * collective_time(op, nbytes, sync, link.alpha, link.beta)
-                       for k, op, nbytes in ops)
-        dp_bytes = sum(k * predicted_sent_bytes(op, nbytes, sync) for k, op, nbytes in ops)
+        dp_total += sum(k * collective_time(op, nbytes, group, link.alpha, link.beta)
+                        for k, op, nbytes in ops)
+        dp_bytes += sum(k * predicted_sent_bytes(op, nbytes, group) for k, op, nbytes in ops)
     # Gradients of the last microbatch appear during its backward: 2/3 of its model FLOPs
     # (recomputed forwards produce no gradients, so they widen no window).
     window = busy if zero == 3 else busy * (model_flops / hardware_flops) / m * (2 / 3)
@@ -411,11 +465,26 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     return Estimate(model=model, hardware=hardware, layout=layout, m=m, v=v,
                    global_batch=global_batch, zero=zero, recompute=recompute, micro_batch=b,
                    memory=memory, time=time,
-                   bytes_sent={"pp": pp_bytes, "dp": dp_bytes, "cp": cp_bytes, "tp": tp_bytes},
+                   bytes_sent={"pp": pp_bytes, "dp": dp_bytes, "cp": cp_bytes, "tp": tp_bytes,
+                               **({"ep": ep_bytes} if e > 1 else {})},
                    links=_links(hardware, layout, spans),
                    stage=stage,
                    model_flops=model_flops, hardware_flops=hardware_flops,
-                   stage_layers=per_stage)
+                   stage_layers=list(per_stage))
+
+
+@lru_cache(maxsize=4096)
+def _spans(layout: Layout) -> dict[str, int]:
+    """Consecutive ranks a group of each axis spans (ep's only where it splits)."""
+    spans = {k: layout.span(k) for k in layout}
+    if layout.ep > 1:
+        spans["ep"] = layout.span("ep")
+    return spans
+
+
+@lru_cache(maxsize=1024)
+def _stage_layers(n_layers: int, p: int) -> tuple[int, ...]:
+    return tuple(stage_layers(n_layers, p))
 
 
 def _links(hardware: Hardware, layout: Layout, spans: dict[str, int]) -> dict[str, str]:

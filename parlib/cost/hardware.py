@@ -237,7 +237,12 @@ class Hardware:
     def __str__(self) -> str:
         return (f"{self.name or 'hardware'}: {self.n_devices} devices, {self.devices_per_node} "
                 f"per node, {self.memory_bytes / GB:.3g} GB, "
-                f"{self.peak_flops / 1e12:.3g} TFLOP/s peak, links "
+                f"{self.peak_flops / 1e12:.3g} TFLOP/s peak"
+                + (f" ({self.compute_efficiency:.0%} achievable)"
+                   if self.compute_efficiency < 1 else "")
+                + (f", memory {self.memory_bandwidth / 1e12:.3g} TB/s"
+                   if math.isfinite(self.memory_bandwidth) else "")
+                + ", links "
                 f"{self.intra_node.bandwidth / GB:.3g} / {self.inter_node.bandwidth / GB:.3g} GB/s")
 
 

@@ -19,9 +19,16 @@ Why this order:
   talks at every layer (K/V blocks), less than tensor parallelism but more than data
   parallelism, so its group is the next to stay inside a node.
 
-Room for more axes: expert parallelism (ep) gets no place of its own in the order, its
-groups borrow the ranks of dp x cp. Adding one is an entry in :data:`AXES`, its formulas in
-this package and its strategy file.
+- **ep borrows dp x cp** (:data:`BORROWED_AXES`): expert parallelism gets no place of its
+  own in the order and does not multiply the world size (DeepSeek-style). For the dense
+  part of the model (attention, norms, embeddings, the router) the ep ranks are ordinary
+  data-parallel (and context-parallel) ranks; in the MoE layers, each group of ep
+  consecutive ranks of the d x c block (consecutive in dp-then-cp index: t ranks apart)
+  splits the experts e ways, so an expert's weights have d x c / e copies, whose gradients
+  sync over those. ep must divide d x c. ``Layout(dp=8, ep=4)`` is 8 devices.
+
+Adding an axis is an entry in :data:`AXES` (or :data:`BORROWED_AXES`), its formulas in this
+package and its strategy file.
 
 A :class:`Layout` is the arithmetic of that numbering (no processes, no torch):
 coordinates of a rank, the rank at coordinates, the groups of an axis, pipeline neighbours,
@@ -46,6 +53,7 @@ class Axis:
     title: str
     splits: str
     pipeline: bool = False
+    borrows: tuple[str, ...] = ()  # the placed axes whose ranks its groups reuse
 
 
 # Slowest-varying first: the rank order is this tuple's order, written nowhere else.
@@ -55,8 +63,15 @@ AXES: tuple[Axis, ...] = (
     Axis("cp", "c", "context", "the sequence; attention passes keys and values between ranks"),
     Axis("tp", "t", "tensor", "each layer's weight matrices, by rows or columns"),
 )
-AXIS_NAMES: tuple[str, ...] = tuple(a.name for a in AXES)
-_BY_NAME = {a.name: a for a in AXES}
+# Axes without a place in the rank order: their groups reuse the ranks of the axes they
+# borrow, and they do not multiply the world size.
+BORROWED_AXES: tuple[Axis, ...] = (
+    Axis("ep", "e", "expert", "the experts of each MoE layer; its groups borrow data- and "
+         "context-parallel ranks", borrows=("dp", "cp")),
+)
+AXIS_NAMES: tuple[str, ...] = tuple(a.name for a in AXES)  # the rank order's axes
+ALL_AXIS_NAMES: tuple[str, ...] = AXIS_NAMES + tuple(a.name for a in BORROWED_AXES)
+_BY_NAME = {a.name: a for a in AXES + BORROWED_AXES}
 _INDEX = {a.name: i for i, a in enumerate(AXES)}
 
 
@@ -65,7 +80,7 @@ def axis(name: str) -> Axis:
     try:
         return _BY_NAME[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown axis {name!r}; the axes are {', '.join(AXIS_NAMES)}"
+        raise ValueError(f"unknown axis {name!r}; the axes are {', '.join(ALL_AXIS_NAMES)}"
                          ) from None
 
 
@@ -81,14 +96,26 @@ class Layout(Mapping[str, int]):
     A read-only mapping from axis name to size, iterated in rank order (slowest first);
     ``layout.tp`` is ``layout["tp"]``. ``str(layout)`` names it by its axes bigger than one,
     fastest first: "t=2 x d=2"; "one device" when all are 1.
+
+    Expert parallelism, ``ep``, borrows ranks (see the module's docstring): ``layout.ep``
+    and ``layout["ep"]`` read it, ``str`` appends it ("d=8 e=4"), but it is not iterated
+    with the rank-order axes (``dict(layout)`` is the rank order's sizes, as a device mesh
+    takes them); :meth:`sizes` gives all of them.
     """
 
-    __slots__ = ("_sizes",)
+    __slots__ = ("_sizes", "_ep")
 
     def __init__(self, **sizes: int) -> None:
         for name in sizes:
             axis(name)
         object.__setattr__(self, "_sizes", tuple(_size(a, sizes.get(a, 1)) for a in AXIS_NAMES))
+        ep = _size("ep", sizes.get("ep", 1))
+        shared = self["dp"] * self["cp"]
+        if shared % ep:
+            raise ValueError(f"ep = {ep} does not divide d x c = {shared}: expert-parallel "
+                             f"groups borrow the data- and context-parallel ranks (ep does "
+                             f"not add devices)")
+        object.__setattr__(self, "_ep", ep)
 
     @classmethod
     def of(cls, layout: Layout | Mapping[str, int]) -> Layout:
@@ -103,8 +130,15 @@ class Layout(Mapping[str, int]):
     # ---- the mapping
     def __getitem__(self, name: str) -> int:
         if name not in _BY_NAME:  # a KeyError, as a mapping's contract says, that names them
-            raise KeyError(f"unknown axis {name!r}; the axes are {', '.join(AXIS_NAMES)}")
+            raise KeyError(f"unknown axis {name!r}; the axes are {', '.join(ALL_AXIS_NAMES)}")
+        if name == "ep":
+            return self._ep
         return self._sizes[_INDEX[name]]
+
+    def sizes(self) -> dict[str, int]:
+        """Every axis's size, the borrowed ones (ep) too: ``Layout(**layout.sizes())`` is
+        ``layout``."""
+        return {**dict(self), "ep": self._ep}
 
     def __contains__(self, name: object) -> bool:
         return name in _BY_NAME
@@ -119,28 +153,30 @@ class Layout(Mapping[str, int]):
         raise AttributeError("a Layout is read-only: make a new one, e.g. layout.with_(tp=4)")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and self._sizes == other._sizes
+        return (isinstance(other, Layout) and self._sizes == other._sizes
+                and self._ep == other._ep)
 
     def __hash__(self) -> int:
-        return hash(self._sizes)
+        return hash((self._sizes, self._ep)) if self._ep > 1 else hash(self._sizes)
 
     def __reduce__(self) -> tuple:  # pickles (to ranks) as its sizes: it has no __dict__
-        return (_from_sizes, (dict(self),))
+        return (_from_sizes, (self.sizes() if self._ep > 1 else dict(self),))
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{a}={n}" for a, n in self.items() if n > 1)
+        inner = ", ".join(f"{a}={n}" for a, n in self.sizes().items() if n > 1)
         return f"Layout({inner})"
 
     def __str__(self) -> str:
         parts = [f"{axis(a).symbol}={self[a]}" for a in reversed(AXIS_NAMES) if self[a] > 1]
-        return " x ".join(parts) or "one device"
+        placed = " x ".join(parts) or "one device"
+        return placed + (f" e={self._ep}" if self._ep > 1 else "")
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
 
     def with_(self, **changes: int) -> Layout:
         """A copy with some sizes changed: ``layout.with_(tp=4)``."""
-        return Layout(**{**self, **changes})
+        return Layout(**{**self.sizes(), **changes})
 
     # ---- the numbering
     @property
@@ -150,8 +186,12 @@ class Layout(Mapping[str, int]):
 
     def stride(self, name: str) -> int:
         """How many ranks apart two neighbours along axis ``name`` are: the product of the
-        sizes of the axes that vary faster."""
-        return math.prod(self._sizes[_INDEX[axis(name).name] + 1:])
+        sizes of the axes that vary faster (for ep, which runs along dp-then-cp index:
+        cp's stride)."""
+        name = axis(name).name
+        if name == "ep":
+            return self.stride("cp")
+        return math.prod(self._sizes[_INDEX[name] + 1:])
 
     def span(self, name: str) -> int:
         """How many consecutive ranks a block holding whole groups of axis ``name`` covers
@@ -192,6 +232,11 @@ class Layout(Mapping[str, int]):
         every rank whose other coordinates equal ``rank``'s."""
         axis(name)
         mine = self.coords(rank)
+        if name == "ep":  # e consecutive ranks of the d x c block, by dp-then-cp index
+            c, e = self.cp, self._ep
+            first = (mine["dp"] * c + mine["cp"]) // e * e
+            return [self.rank_at({**mine, "dp": j // c, "cp": j % c})
+                    for j in range(first, first + e)]
         return [self.rank_at({**mine, name: i}) for i in range(self[name])]
 
     def groups(self, name: str) -> list[list[int]]:
@@ -218,6 +263,7 @@ def _size_of(i: int) -> property:
 
 for _i, _name in enumerate(AXIS_NAMES):  # layout.pp, layout.dp, ...: one per axis of the table
     setattr(Layout, _name, _size_of(_i))
+Layout.ep = property(lambda self: self._ep, doc="The size of axis 'ep' (borrows dp x cp).")
 
 
 def _from_sizes(sizes: dict[str, int]) -> Layout:
@@ -226,4 +272,5 @@ def _from_sizes(sizes: dict[str, int]) -> Layout:
 
 PIPELINE: Axis = next(a for a in AXES if a.pipeline)
 
-__all__ = ["AXES", "AXIS_NAMES", "PIPELINE", "Axis", "Layout", "axis"]
+__all__ = ["ALL_AXIS_NAMES", "AXES", "AXIS_NAMES", "BORROWED_AXES", "PIPELINE", "Axis", "Layout",
+           "axis"]

@@ -5,6 +5,12 @@ The defaults describe the course's TinyGPT (``parlib.model``): biases everywhere
 LayerNorm, learned positions, untied output, a GELU MLP. Llama-style models set
 ``gated_mlp=True, bias=False, learned_positions=False`` (RMSNorm, RoPE, SwiGLU).
 
+Mixture of experts (``n_experts`` > 0): every layer's MLP is E expert MLPs of width
+``expert_ffn_dim`` (default ``ffn_dim``) and a router (h x E, no bias); each token runs
+``top_k`` of them. Parameters grow with E, FLOPs with k (:mod:`parlib.cost.experts`).
+``capacity_factor`` (None: no limit, dropless) sizes each expert's buffer at that multiple
+of its fair share. The defaults (``n_experts=0``) mean dense.
+
 FLOPs count multiply-adds as 2. Training is forward + backward = 3 x forward, and the
 forward of a token is 2 x (weights it multiplies by) plus attention's own term, the
 QK^T and attention-times-V products, 2 x 2 x s x h per layer (PaLM, Chowdhery et al. 2022,
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
+
+from parlib.cost.experts import expert_params, moe_params_per_rank
 
 # A backward computes the gradients of both a layer's input and its weights: two matmuls
 # for the forward's one.
@@ -43,6 +51,10 @@ class Model:
     tied_embeddings: bool = False
     dropout: bool = False
     name: str = ""
+    n_experts: int = 0
+    top_k: int = 1
+    capacity_factor: float | None = None
+    expert_ffn_dim: int | None = None
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "d_model", "n_heads", "seq_len", "vocab_size"):
@@ -59,6 +71,19 @@ class Model:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by "
                              f"n_kv_heads={self.n_kv_heads}")
+        if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) \
+                or self.n_experts < 0:
+            raise ValueError(f"n_experts must be a whole number >= 0 (0: dense), got "
+                             f"{self.n_experts!r}")
+        if self.expert_ffn_dim is None:
+            object.__setattr__(self, "expert_ffn_dim", self.ffn_dim)
+        _require_positive_int("expert_ffn_dim", self.expert_ffn_dim)
+        _require_positive_int("top_k", self.top_k)
+        if self.n_experts and self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} is more than the {self.n_experts} experts")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 (or None: no limit), got "
+                             f"{self.capacity_factor!r}")
 
     @classmethod
     def from_config(cls, cfg: Any, name: str = "TinyGPT") -> Model:
@@ -84,14 +109,74 @@ class Model:
         return 2 * self.d_model * self.d_model + 2 * self.d_model * self.kv_dim
 
     @property
+    def is_moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts (``n_experts`` > 0)."""
+        return self.n_experts > 0
+
+    @property
+    def _matrices(self) -> int:
+        return 3 if self.gated_mlp else 2
+
+    @property
+    def expert_matmul_params(self) -> int:
+        """Weights of one expert's matrices (three when gated); 0 for a dense model."""
+        return self._matrices * self.d_model * self.expert_ffn_dim if self.is_moe else 0
+
+    @property
+    def expert_params_each(self) -> int:
+        """All parameters of one expert MLP: :func:`~parlib.cost.experts.expert_params`,
+        plus the third matrix (and its bias) when gated; 0 for a dense model."""
+        if not self.is_moe:
+            return 0
+        h, f = self.d_model, self.expert_ffn_dim
+        gate = (h * f + (f if self.bias else 0)) if self.gated_mlp else 0
+        return expert_params(h, f, self.bias) + gate
+
+    @property
+    def layer_expert_params(self) -> int:
+        """One layer's experts' parameters, all E of them (the router not counted: every ep
+        rank keeps a copy, as it does attention); 0 for a dense model."""
+        return self.n_experts * self.expert_params_each
+
+    def moe_layer_params_per_rank(self, ep: int = 1) -> int:
+        """One MoE layer's parameters on one of ``ep`` ranks: E/ep experts and the router
+        (:func:`~parlib.cost.experts.moe_params_per_rank`, plus the gate matrices when
+        gated)."""
+        h, f = self.d_model, self.expert_ffn_dim
+        gate = (h * f + (f if self.bias else 0)) if self.gated_mlp else 0
+        return (moe_params_per_rank(self.n_experts, ep, h, f, self.bias)
+                + self.n_experts // ep * gate)
+
+    @property
     def mlp_matmul_params(self) -> int:
-        """Weights of one layer's MLP matrices (three when gated)."""
-        return (3 if self.gated_mlp else 2) * self.d_model * self.ffn_dim
+        """Weights of one layer's MLP matrices (three when gated); for a mixture of experts,
+        all E experts' and the router's."""
+        if self.is_moe:
+            return self.n_experts * self.expert_matmul_params + self.d_model * self.n_experts
+        return self._matrices * self.d_model * self.ffn_dim
+
+    @property
+    def mlp_active_matmul_params(self) -> int:
+        """Weights of one layer's MLP that one token multiplies: all of a dense MLP; the
+        router and top_k experts of a mixture."""
+        if self.is_moe:
+            return self.top_k * self.expert_matmul_params + self.d_model * self.n_experts
+        return self.mlp_matmul_params
+
+    @property
+    def activation_ffn_dim(self) -> int:
+        """Width of the MLP's hidden activations per token: ffn_dim, or top_k experts'."""
+        return self.top_k * self.expert_ffn_dim if self.is_moe else self.ffn_dim
 
     @property
     def layer_matmul_params(self) -> int:
         """Weights of one layer's matrices: q, k, v, out projections and the MLP."""
         return self.attention_matmul_params + self.mlp_matmul_params
+
+    @property
+    def layer_active_matmul_params(self) -> int:
+        """Weights of one layer that one token multiplies (the layer's matrices when dense)."""
+        return self.attention_matmul_params + self.mlp_active_matmul_params
 
     @property
     def _norm_params(self) -> int:
@@ -102,6 +187,10 @@ class Model:
     def layer_params(self) -> int:
         """All parameters of one transformer layer (matrices, biases, two norms)."""
         h, f = self.d_model, self.ffn_dim
+        if self.is_moe:  # the experts' own biases are in expert_params_each
+            biases = 2 * h + 2 * self.kv_dim if self.bias else 0
+            return (self.attention_matmul_params + self.d_model * self.n_experts + biases
+                    + self.layer_expert_params + 2 * self._norm_params)
         biases = (2 * h + 2 * self.kv_dim + (2 if self.gated_mlp else 1) * f + h
                   if self.bias else 0)
         return self.layer_matmul_params + biases + 2 * self._norm_params
@@ -125,9 +214,9 @@ class Model:
 
     @property
     def matmul_params(self) -> int:
-        """Weights a token is multiplied by: every layer's matrices and the output projection
-        (the embedding table itself when tied)."""
-        return self.n_layers * self.layer_matmul_params + self.vocab_size * self.d_model
+        """Weights a token is multiplied by: every layer's matrices (for a mixture, its router
+        and top_k experts) and the output projection (the embedding table when tied)."""
+        return self.n_layers * self.layer_active_matmul_params + self.vocab_size * self.d_model
 
     # ---- FLOPs per token
     @property
@@ -152,7 +241,8 @@ class Model:
     @property
     def layers_forward_flops_per_token(self) -> int:
         """Forward FLOPs of the transformer layers alone (what full recomputation reruns)."""
-        return 2 * self.n_layers * self.layer_matmul_params + self.attention_flops_per_token
+        return (2 * self.n_layers * self.layer_active_matmul_params
+                + self.attention_flops_per_token)
 
     def rank_forward_flops_per_token(self, *, layers: int, t: int = 1,
                                      head: bool = False) -> float:
@@ -170,7 +260,7 @@ class Model:
         ranks: (attention: projections and scores, MLP). Megatron ends each half with an
         all-reduce."""
         attention = 2 * self.attention_matmul_params + self.layer_attention_flops_per_token
-        return attention / t, 2 * self.mlp_matmul_params / t
+        return attention / t, 2 * self.mlp_active_matmul_params / t
 
     def __str__(self) -> str:
         label = self.name or "model"

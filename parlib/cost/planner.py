@@ -42,7 +42,8 @@ def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
     stages when it does not divide them: :func:`~parlib.cost.stages.stage_layers`), 2c the
     sequence (the zig-zag split; c at most :data:`MAX_CP` and s/c at least
     :data:`MIN_CP_POSITIONS`, which keeps the search small), v the layers per stage (v = 1
-    for uneven stages), d x m the global batch, and m is a multiple of p when v > 1."""
+    for uneven stages), d x m the global batch, and m is a multiple of p when v > 1. For a
+    mixture-of-experts model, every ep that divides both the experts and d x c."""
     n = hardware.n_devices
     for t in divisors(n):
         if model.n_heads % t:
@@ -57,13 +58,17 @@ def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
                 d = n // (t * p * c)
                 if global_batch % d:
                     continue
-                layout = Layout(dp=d, cp=c, tp=t, pp=p)
                 chunks = (divisors(model.n_layers // p)
                           if p > 1 and model.n_layers % p == 0 else [1])
-                for m in divisors(global_batch // d):
-                    for v in chunks:
-                        if v == 1 or m % p == 0:
-                            yield layout, m, v
+                # ep for mixtures only: it divides the experts and d x c (whose ranks it borrows)
+                eps = ([e for e in divisors(d * c) if model.n_experts % e == 0]
+                       if model.is_moe else [1])
+                for e in eps:
+                    layout = Layout(dp=d, cp=c, tp=t, pp=p, ep=e)
+                    for m in divisors(global_batch // d):
+                        for v in chunks:
+                            if v == 1 or m % p == 0:
+                                yield layout, m, v
 
 
 def _simplicity(est: Estimate) -> tuple:
@@ -83,6 +88,13 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
     """The ``top`` fastest layouts that fit, fastest first, each with ``.reason``: one
     :class:`Estimate` per layout, at its best setting.
 
+    Searched: t, p (uneven stages included), c, d, e (mixtures of experts only), m (so the
+    microbatch size, global_batch / (d x m)), v, ZeRO 0-3 (0-2 with a pipeline) and
+    recomputation (none, selective, full). Inputs, not searched: ``mixed_precision`` (the
+    cost model has one compute rate, the training dtype's, so fp32 would only look bigger,
+    never faster) and ``sequence_parallel``. The picks' ``binding`` names what limits each
+    (:func:`binding_constraint`), and their reason ends with it.
+
     An empty list means no valid layout fits, not even with ZeRO-3 and full recomputation
     (or that no d divides the global batch).
     """
@@ -99,8 +111,8 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
         for recompute in RECOMPUTE:
             for zero in _zero_stages(layout):
                 est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
-                                sequence_parallel, mixed_precision)
-                if not est.fits:
+                                sequence_parallel, mixed_precision, only_if_fits=True)
+                if est is None:
                     continue
                 if zero == 0 and recompute is False:
                     plain_fits.add(layout)
@@ -204,6 +216,10 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
         hidden = est.time["cp_comm_hidden"] / total if total else 1.0
         parts.append(f"the sequence split {est.layout.cp} ways (activations / "
                      f"{est.layout.cp}, ring K/V {hidden:.0%} hidden behind attention)")
+    if est.layout.ep > 1:
+        parts.append(f"experts split {est.layout.ep} ways (all-to-alls "
+                     f"{est.time['ep_comm'] / est.step_time:.0%} of the step, "
+                     f"{est.links['ep']})")
     if est.layout.pp > 1:
         bubble = est.time["pp_bubble"] / est.step_time
         parts.append(f"m = {est.m}" + (f", v = {est.v}" if est.v > 1 else "")

@@ -173,5 +173,30 @@ def load_matmul_rate(dtype: str = "float32", threads: int | None = None, device:
     return rate if rate.flops_per_second > 0 else None
 
 
+def main(argv: list[str] | None = None) -> MatmulRate:
+    """``python -m parlib.measure.matmul_rate [--dtype D] [--threads N] [--repeats R]``:
+    measure over the default sweep, print the best shape and the top five, save it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the best matmul FLOP/s over a sweep of "
+                                                 "shapes, saved for later chapters")
+    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+    rate = measure_matmul_rate(dtype=args.dtype, threads=args.threads, repeats=args.repeats,
+                               device=args.device)
+    print(rate)
+    for shape, r in sorted(rate.rates.items(), key=lambda kv: -kv[1])[:5]:
+        print(f"  {shape:>16}: {r / 1e9:.3g} GFLOP/s")
+    print(f"saved to {save_matmul_rate(rate)}")
+    return rate
+
+
+if __name__ == "__main__":
+    main()
+
+
 __all__ = ["DEFAULT_SIZES", "MatmulRate", "load_matmul_rate", "matmul_flops",
            "measure_matmul_rate", "save_matmul_rate"]

@@ -75,7 +75,9 @@ def test_a_mapping_of_axis_sizes_is_taken_as_a_layout():
         estimate(TOY, TOY_HW, (2, 2, 1), m=2, global_batch=8)
     with pytest.raises(ValueError, match=r"layout must be a parlib.cost.Layout"):
         check_layout(TOY, 4, {"dp": 4}, m=1, global_batch=4)
-    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        estimate(TOY, TOY_HW, {"xp": 4}, m=1, global_batch=4)
+    with pytest.raises(ValueError, match=r"ep = 4 does not divide d x c = 1"):
         estimate(TOY, TOY_HW, {"ep": 4}, m=1, global_batch=4)
     with pytest.raises(ValueError, match=r"c = 4 needs the sequence length 4 to split into "
                                          r"2c = 8 equal chunks"):

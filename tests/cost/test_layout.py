@@ -18,8 +18,8 @@ def test_axes_are_data_in_rank_order():
     assert [a.symbol for a in AXES] == ["p", "d", "c", "t"]
     assert PIPELINE.name == "pp" and sum(a.pipeline for a in AXES) == 1
     assert axis("tp").title == "tensor"
-    with pytest.raises(ValueError, match="unknown axis 'ep'; the axes are pp, dp, cp, tp"):
-        axis("ep")
+    with pytest.raises(ValueError, match="unknown axis 'xp'; the axes are pp, dp, cp, tp, ep"):
+        axis("xp")
 
 
 def test_rank_order_by_hand_tp_fastest_pp_slowest():
@@ -75,7 +75,7 @@ def test_a_mapping_of_axis_sizes():
     lay = Layout(tp=2, dp=2)
     assert list(lay) == ["pp", "dp", "cp", "tp"]
     assert dict(lay) == {"pp": 1, "dp": 2, "cp": 1, "tp": 2}
-    assert lay["tp"] == lay.tp == 2 and lay.pp == lay.cp == 1 and "tp" in lay and "ep" not in lay
+    assert lay["tp"] == lay.tp == 2 and lay.pp == lay.cp == 1 and "tp" in lay and "xp" not in lay
     assert lay == Layout(dp=2, tp=2) != Layout(dp=4) and len({lay, Layout(dp=2, tp=2)}) == 1
     assert Layout.of({"dp": 2, "tp": 2}) == lay and Layout.of(lay) is lay
     assert lay.with_(tp=4) == Layout(dp=2, tp=4) and lay.tp == 2
@@ -91,8 +91,8 @@ def test_one_name_fastest_axis_first_size_one_left_out():
 
 
 def test_bad_layouts_and_coordinates_are_named():
-    with pytest.raises(ValueError, match="unknown axis 'ep'"):
-        Layout(ep=2)
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        Layout(xp=2)
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match=r"layout size tp=.* must be a whole number >= 1"):
             Layout(tp=bad)
@@ -101,18 +101,36 @@ def test_bad_layouts_and_coordinates_are_named():
         lay.coords(8)
     with pytest.raises(ValueError, match="rank -1 is outside"):
         lay.axis_ranks("tp", -1)
-    with pytest.raises(ValueError, match="unknown axis 'ep'"):
-        lay.axis_ranks("ep", 0)
-    with pytest.raises(ValueError, match="unknown axis 'ep'"):
-        lay.groups("ep")
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        lay.axis_ranks("xp", 0)
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        lay.groups("xp")
     with pytest.raises(ValueError, match=r"tp index 2 is outside \[0, 2\)"):
         lay.rank_at({"pp": 0, "dp": 0, "tp": 2})
     with pytest.raises(ValueError, match="lack axis 'dp'"):
         lay.rank_at({"pp": 0, "tp": 1})
     assert Layout(tp=2).rank_at({"tp": 1}) == 1  # a size-1 axis may be left out: index 0
-    with pytest.raises(KeyError, match="unknown axis 'ep'"):
-        lay["ep"]
+    with pytest.raises(KeyError, match="unknown axis 'xp'"):
+        lay["xp"]
     with pytest.raises(AttributeError, match="read-only"):
         lay.tp = 4
     with pytest.raises(ValueError, match="must be a Layout"):
         Layout.of((2, 2, 2))
+
+
+def test_ep_borrows_data_and_context_parallel_ranks():
+    # (pp, dp, cp, tp) = (1, 4, 2, 2), e = 4: 16 ranks (ep adds none). An ep group is 4
+    # consecutive dp-then-cp indices j = dp * 2 + cp, at the same tp index: j = 0..3 is
+    # (dp, cp) = (0, 0), (0, 1), (1, 0), (1, 1) -> ranks (dp * 2 + cp) * 2 + tp = 0, 2, 4, 6
+    lay = Layout(dp=4, cp=2, tp=2, ep=4)
+    assert lay.world == 16 and lay.ep == lay["ep"] == 4 and "ep" in lay
+    assert lay.groups("ep") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert lay.stride("ep") == 2 and lay.span("ep") == 8  # t apart, 4 x 2 consecutive ranks
+    assert dict(lay) == {"pp": 1, "dp": 4, "cp": 2, "tp": 2}  # the rank order's axes
+    assert lay.sizes() == {**dict(lay), "ep": 4} and Layout(**lay.sizes()) == lay
+    assert str(lay) == "t=2 x c=2 x d=4 e=4" and repr(lay) == "Layout(dp=4, cp=2, tp=2, ep=4)"
+    assert lay != Layout(dp=4, cp=2, tp=2) and lay.with_(tp=1).ep == 4
+    assert pickle.loads(pickle.dumps(lay)) == lay
+    assert Layout(dp=2) == Layout(dp=2, ep=1) and hash(Layout(dp=2)) == hash(Layout(dp=2, ep=1))
+    with pytest.raises(ValueError, match=r"ep = 3 does not divide d x c = 8"):
+        Layout(dp=4, cp=2, ep=3)

@@ -130,3 +130,47 @@ def test_the_planner_names_the_binding_constraint():
     assert binding_constraint(est) == (
         f"the data-parallel link (inter-node) ({est.time['dp_sync'] / est.step_time:.0%} "
         "of the step)")
+
+
+def test_mfu_counts_the_model_and_hfu_the_recomputation_too():
+    # TOY: a token multiplies 4 layers x 768 weights + the output 16 x 8 = 128: 3200; its
+    # forward is 2 x 3200 + attention 4 x s x h x L = 512: 6912; training 3 x that = 20736
+    assert TOY.flops_per_token == 3 * (2 * (4 * 768 + 128) + 512) == 20736
+    kw = dict(m=1, global_batch=4, mixed_precision=False)
+    none = estimate(TOY, TOY_HW, Layout(dp=4), **kw)
+    selective = estimate(TOY, TOY_HW, Layout(dp=4), recompute="selective", **kw)
+    full = estimate(TOY, TOY_HW, Layout(dp=4), recompute=True, **kw)
+    assert none.hfu == none.mfu
+    # selective reruns the scores' 512 FLOPs a token: HFU / MFU = 21248 / 20736
+    assert selective.hfu / selective.mfu == pytest.approx(21248 / 20736)
+    # full reruns the layers' forward, 2 x 4 x 768 + 512 = 6656: 27392 / 20736
+    assert full.hfu / full.mfu == pytest.approx(27392 / 20736)
+    # MFU: model FLOPs (20736 x 16 tokens) over step x 4 devices x 1 GFLOP/s peak
+    assert none.mfu == pytest.approx(20736 * 16 / (none.step_time * 4 * 1e9))
+
+
+def test_every_uneven_layout_the_planner_tries_is_one_estimate_accepts():
+    # 126 layers (Llama 3 405B's count) on 16 devices: p = 16 does not divide 126
+    model = Model(126, 256, 8, 256, 1000, gated_mlp=True, bias=False)
+    hw = Hardware.dgx_h100(16)
+    tried = list(candidate_layouts(model, hw, 32))
+    assert any(lay.pp == 16 for lay, _, _ in tried)
+    assert all(v == 1 for lay, _, v in tried if 126 % lay.pp)
+    for layout, m, v in tried:
+        est = estimate(model, hw, layout, m=m, v=v, global_batch=32)
+        assert sum(est.stage_layers) == 126 and len(est.stage_layers) == layout.pp
+    est = estimate(model, hw, Layout(pp=16), m=32, global_batch=32)
+    assert est.stage_layers == [7] + [8] * 14 + [7]
+
+
+def test_new_hardware_fields_are_validated_and_shown():
+    fast, slow = Link(1e-6, 1e11), Link(1e-5, 1e10)
+    with pytest.raises(ValueError, match="memory_efficiency must be in"):
+        Hardware(8, 8, 80e9, 1e15, fast, slow, memory_efficiency=0)
+    with pytest.raises(ValueError, match="memory_bandwidth must be > 0"):
+        Hardware(8, 8, 80e9, 1e15, fast, slow, memory_bandwidth=-1.0)
+    plain = Hardware(8, 8, 80e9, 1e15, fast, slow)  # the old fields alone: nothing changes
+    assert plain.achievable_flops == 1e15 and math.isinf(plain.achievable_memory_bandwidth)
+    assert "achievable" not in str(plain) and "(80% achievable), memory 3.35 TB/s" in str(
+        Hardware.dgx_h100(8))
+    assert Hardware.dgx_h200(8).achievable_memory_bandwidth == pytest.approx(4.8e12 * 0.9)
