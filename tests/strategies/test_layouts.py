@@ -164,6 +164,18 @@ def test_paced_link_fit_times_woken_all_reduces_and_fits_the_line():
                            pause=1e-3, timeout=60)
     assert fit.n == 2 and fit.sizes == [2**10, 2**16, 2**20] and fit.backend == "gloo"
     assert len(fit.seconds) == 3 and all(s > 0 for s in fit.seconds)
-    assert fit.seconds[2] > fit.seconds[0]  # a MiB takes longer than a KiB
     with pytest.raises(ValueError, match="rounds >= 1"):
         L.rank_time_paced_all_reduce([1024], rounds=0)
+
+
+def test_paced_link_fit_takes_the_slowest_rank_per_size():
+    sizes = (1000, 100_000, 1_000_000)
+    per_rank = [([1e-3, 2e-3, 5e-3], "cpu", "gloo"), ([1.5e-3, 1e-3, 6e-3], "cpu", "gloo")]
+
+    def fake_launch(fn, *args, world_size, **kwargs):
+        assert fn is L.rank_time_paced_all_reduce and world_size == 2
+        return per_rank
+
+    fit = L.paced_link_fit(fake_launch, 2, sizes=sizes)
+    assert fit.seconds == [1.5e-3, 2e-3, 6e-3] and fit.sizes == list(sizes)
+    assert fit.b == pytest.approx((6e-3 - 1.5e-3) / (1_000_000 - 1000), rel=0.2)
