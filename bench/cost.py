@@ -1,5 +1,5 @@
 """Benchmark of the choosing chapter's cost model: the planner and the published runs (pure Python,
-no ranks, a second or two), and predicted against measured layouts here (about a minute).
+no ranks, a second or two), and predicted against measured layouts here (a minute or two).
 
     python bench/cost.py                      # every section
     python bench/cost.py --sections plan      # only the planner timing and its top 5
@@ -8,18 +8,27 @@ Sections, each a function printing one table:
 
 - ``plan``: how long the planner (``best_layouts``) takes for a 1-trillion-parameter model
   on 4096 H100s (target: under 1 s; median of repeats, each a fresh search), then its top 5 layouts.
-- ``published``: predicted (at peak compute) against reported utilisation of the published
-  runs in ``parlib.cost.published``.
+- ``published``: predicted against reported utilisation of the published runs in
+  ``parlib.cost.published`` (``comparison_table``).
+- ``ranking``: the model's order of the layouts of published sweeps against the measured
+  order (``parlib.cost.sweeps.ranking_table``, where that module exists).
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
-  measured here (the launching chapter's fit) and emulated devices, then run with the combining
-  chapter's code:
+  measured here and emulated devices, then run with the combining chapter's code:
   measured / predicted per layout, with the measured link and with an emulated slow one
-  (``SlowLink``, +200 ns per byte). About a minute; the only section that launches ranks.
+  (``SlowLink``). The link is fitted to all-reduces each timed after a short sleep, as the
+  paced layers issue them (``--link fit``: the launching chapter's saved fit instead). The
+  emulated device runs at the tiny model's one-thread rate (median of
+  ``--rate-repeats`` steps, spread printed) / ``--slowdown``; the slow link moves a byte in
+  the time of ``--flops-per-byte`` emulated FLOPs, so its weight against compute does not
+  depend on this machine's speed. Prints "N of 6 within 15%" and "N of 15 pairs in order"
+  for each link, and the load average. About a minute on a quiet machine; the only section
+  that launches ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -72,14 +81,23 @@ def plan_section(args: argparse.Namespace) -> None:
           f"global batch {args.global_batch} x {TRILLION.seq_len} tokens)")
     print(f"  search time: median {statistics.median(seconds):.3f} s of {args.repeats} "
           f"(min {min(seconds):.3f}, max {max(seconds):.3f}); target < 1 s")
-    print("  predicted at peak compute (compute_efficiency 1): MFU is an upper bound\n")
+    print(f"  predicted with matmuls at {hardware.compute_efficiency:.0%} of peak (the "
+          f"{hardware.generation or 'given'} efficiency): a prediction, not a bound\n")
     print(layout_table(ranked))
 
 
 def published_section(args: argparse.Namespace) -> None:
-    print("\npublished runs: predicted at peak compute vs reported "
+    print("\npublished runs: predicted (each GPU generation's efficiency) against reported "
           "(sources and assumptions: parlib/cost/published.py)\n")
     print(comparison_table())
+
+
+def _load() -> str:
+    """The machine's load average (1, 5, 15 minutes), or a note where it cannot be read."""
+    try:
+        return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "load average unknown"
 
 
 def layouts_section(args: argparse.Namespace) -> None:
@@ -88,54 +106,95 @@ def layouts_section(args: argparse.Namespace) -> None:
     from parlib.experiments import layouts as L
     from parlib.measure.links import load_or_measure
 
-    fit, source = load_or_measure(4, launch=parlib.launch)
-    one_core = L.compute_rate()
-    rate = one_core / args.slowdown
+    print(f"\nlayouts: {_load()}")
+    if args.link == "paced":  # all-reduces timed as the paced layers issue them
+        fit = L.paced_link_fit(parlib.launch, 4, timeout=300)
+        source = f"all-reduces each after a {L.PAUSE * 1e3:g} ms pause, as the layers issue them"
+    else:
+        fit, source = load_or_measure(4, launch=parlib.launch)
+    one_thread = L.measure_rate(repeats=args.rate_repeats)
+    rate = one_thread.median / args.slowdown
+    beta = L.slow_link_beta(rate, args.flops_per_byte)
     here = Hardware.measured_here(4, allreduce_fit=(fit.a, fit.b), fit_ranks=fit.n,
                                  flops_per_second=rate)
-    print(f"\nlayouts: 4 ranks, link from {source} ({fit.backend}: alpha "
-          f"{here.intra_node.alpha * 1e6:.0f} us, {here.intra_node.bandwidth / 1e9:.2f} GB/s); "
-          f"emulated devices at one core / {args.slowdown:g} = {rate / 1e9:.2f} GFLOP/s")
+    print(f"4 ranks, link from {source} ({fit.backend}: alpha "
+          f"{here.intra_node.alpha * 1e6:.0f} us, {here.intra_node.bandwidth / 1e9:.2f} GB/s)")
+    print(f"compute rate of the tiny model's step: {one_thread.describe()}")
+    print(f"emulated devices at that rate / {args.slowdown:g} = {rate / 1e9:.2f} GFLOP/s; "
+          f"emulated slow link: a byte per {args.flops_per_byte:g} emulated FLOPs = "
+          f"{beta * 1e9:.0f} ns per byte")
     reference = verify.reference_step()  # one device, the full batch of 8
+    band = args.band
     for title, link in (("measured link", None),
-                        (f"+ emulated {args.slow_beta * 1e9:g} ns per byte (SlowLink)",
-                         (0.0, args.slow_beta))):
+                        (f"+ emulated {beta * 1e9:.0f} ns per byte (SlowLink)", (0.0, beta))):
         hardware = here.slowed_by(*link) if link else here
         predicted = L.predict(L.LAYOUTS, hardware)
         results = parlib.launch(L.rank_time_layouts, flops_per_second=rate, link=link,
                                 reference=reference,
                                 repeats=args.layout_repeats, world_size=4, timeout=600)
         rows = L.measured(results)
-        agree = L.agreement(predicted, rows)
+        agree = L.agreement(predicted, rows, band=band)
         print(f"\n{title}: every layout matches one device: {all(r['ok'] for r in rows)}; "
               f"overruns {sum(r['overruns'] for r in rows)} of "
-              f"{sum(r['pieces'] for r in rows)} pieces\n")
+              f"{sum(r['pieces'] for r in rows)} pieces; {_load()}\n")
         print(L.table(predicted, rows))
-        print(f"\n{agree['within']} of 6 within 25%; {agree['pairs_same']} of "
-              f"{agree['pairs']} pairs in the predicted order ({agree['separated_same']} of "
+        print("\nwhere the step goes:")
+        print(L.parts_table(predicted, rows))
+        sent = [sum(e.bytes_sent.values()) for e in predicted]
+        fewest = min(range(len(sent)), key=sent.__getitem__)
+        measured_order = L.rank_order([r["step_time"] for r in rows])
+        print(f"\n{agree['within']} of {len(rows)} within {band:.0%}; {agree['pairs_same']} of "
+              f"{agree['pairs']} pairs in order ({agree['separated_same']} of "
               f"{agree['separated']} pairs predicted > 10% apart); fastest predicted "
               f"{L.LAYOUTS[agree['best'][0]].layout}, measured "
-              f"{L.LAYOUTS[agree['best'][1]].layout}")
+              f"{L.LAYOUTS[agree['best'][1]].layout}; fewest bytes sent: "
+              f"{L.LAYOUTS[fewest].layout}, measured place {measured_order.index(fewest) + 1} "
+              f"of {len(rows)}")
+
+
+def ranking_section(args: argparse.Namespace) -> None:
+    try:
+        from parlib.cost.sweeps import ranking_table
+    except ImportError:
+        print("\nranking: parlib.cost.sweeps.ranking_table is not in this checkout")
+        return
+    print("\npublished sweeps: the model's ranking of each sweep's layouts against the "
+          "measured one (sources: parlib/cost/sweeps.py)\n")
+    print(ranking_table())
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "plan": plan_section,
     "published": published_section,
+    "ranking": ranking_section,
     "layouts": layouts_section,
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     ap.add_argument("--repeats", type=int, default=5, help="planner searches to time")
     ap.add_argument("--global-batch", type=int, default=4096, help="sequences per step")
     ap.add_argument("--slowdown", type=float, default=16.0,
-                    help="layouts: emulated device = one core's rate / this")
-    ap.add_argument("--slow-beta", type=float, default=200e-9,
-                    help="layouts: seconds per byte the emulated slow link adds")
+                    help="layouts: emulated device = one thread's rate / this")
+    ap.add_argument("--flops-per-byte", type=float, default=800.0,
+                    help="layouts: the emulated slow link moves a byte in the time of this "
+                         "many emulated FLOPs")
+    ap.add_argument("--rate-repeats", type=int, default=21,
+                    help="layouts: timed steps of the one-thread compute rate")
+    ap.add_argument("--band", type=float, default=0.15,
+                    help="layouts: measured / predicted counts as agreeing within 1 +- this")
     ap.add_argument("--layout-repeats", type=int, default=5, help="layouts: timed steps")
-    args = ap.parse_args(argv)
+    ap.add_argument("--link", choices=("fit", "paced"), default="paced",
+                    help="layouts: predict with the launching chapter's link fit (or a quick "
+                         "one), or with all-reduces timed each after a pause, as the layers "
+                         "issue them")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     for name in args.sections:
         SECTIONS[name](args)
     return 0

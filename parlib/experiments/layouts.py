@@ -36,6 +36,7 @@ from parlib.cost.model import BACKWARD_PER_FORWARD
 from parlib.experiments.combined import axis_traffic, stage_split_dims
 from parlib.experiments.pipeline import MeasuringHooks
 from parlib.measure.emulation import OVERRUN_SLACK, PacedCost, SlowLink, StageCost
+from parlib.measure.links import LinkFit, fit_link
 from parlib.measure.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
 from parlib.measure.timeline import Recorder
 from parlib.model import ModelConfig, build_model, make_batch, train_step
@@ -249,25 +250,139 @@ def rank_time_layouts(layouts: Sequence[Run] = LAYOUTS, *,
     return out
 
 
+PACED_SIZES = tuple(2**k for k in range(10, 23, 3))  # 1 KiB to 4 MiB, as the quick fit
+PAUSE = 2e-3  # seconds each rank sleeps before a timed all-reduce
+
+
+def rank_time_paced_all_reduce(sizes_bytes: Sequence[int], *, rounds: int = 5,
+                               pause: float = PAUSE) -> tuple[list[float], str, str]:
+    """Run on every rank: all-reduce times as a paced layer issues them. Each call follows a
+    barrier and a ``pause``-second sleep, so every rank arrives woken from a sleep, as it
+    does at a tensor-parallel all-reduce after its padded compute (the launching chapter's
+    fit calls straight after the barrier). Sizes interleaved over ``rounds``. Returns this
+    rank's median seconds per size, the device and the backend."""
+    if rounds < 1 or not pause >= 0:
+        raise ValueError(f"need rounds >= 1 and pause >= 0 s, got {rounds!r}, {pause!r}")
+    dev = this_device()
+    tensors = [torch.ones(max(1, n // 4), device=dev) for n in sizes_bytes]
+    for t in tensors:  # warm-up: connections, buffers
+        dist.all_reduce(t)
+    times: list[list[float]] = [[] for _ in tensors]
+    for _ in range(rounds):
+        for i, t in enumerate(tensors):
+            dist.barrier()
+            time.sleep(pause)
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(ts) for ts in times], str(dev), dist.get_backend()
+
+
 # --------------------------------------------------------------------------- in the kernel
 
 
-def compute_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repeats: int = 7,
-                 seed: int = 0) -> float:
-    """FLOP/s of the whole model's training step in this process (median of ``repeats``),
-    counting the cost model's FLOPs (``Model.flops_per_token``)."""
+# The emulated device runs at one thread's rate over this: slow enough that four ranks'
+# real compute, sharing two cores with whatever else runs, fits inside the padding.
+SLOWDOWN = 16
+# The emulated slow link moves one byte in the time the emulated device does this many
+# FLOPs, so that bytes weigh as much against compute whatever this machine's rate is.
+SLOW_LINK_FLOPS_PER_BYTE = 800
+
+
+@dataclass(frozen=True)
+class MeasuredRate:
+    """FLOP/s of the tiny model's training step, one figure per timed step (``samples``),
+    measured with ``threads`` threads."""
+
+    samples: tuple[float, ...]
+    threads: int
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def quartiles(self) -> tuple[float, float]:
+        """The lower and upper quartile of the samples."""
+        if len(self.samples) < 2:
+            return self.median, self.median
+        q = statistics.quantiles(self.samples, n=4)
+        return q[0], q[2]
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range over the median."""
+        low, high = self.quartiles
+        return (high - low) / self.median
+
+    def describe(self) -> str:
+        low, high = self.quartiles
+        thread = "thread" if self.threads == 1 else "threads"
+        return (f"{self.median / 1e9:.1f} GFLOP/s with {self.threads} {thread} (median of "
+                f"{len(self.samples)} steps; quartiles {low / 1e9:.1f} to {high / 1e9:.1f}, "
+                f"spread {self.spread:.0%})")
+
+
+def paced_link_fit(launch: Any, world_size: int, *, sizes: Sequence[int] = PACED_SIZES,
+                   rounds: int = 5, pause: float = PAUSE, **launch_kwargs: Any) -> LinkFit:
+    """The link as the paced layers use it: :func:`rank_time_paced_all_reduce` on
+    ``world_size`` ranks (``launch`` is ``parlib.launch``), the slowest rank's median per
+    size, fitted to the alpha-beta line as the launching chapter fits it."""
+    results = launch(rank_time_paced_all_reduce, list(sizes), rounds=rounds, pause=pause,
+                     world_size=world_size, **launch_kwargs)
+    slowest = [max(times) for times in zip(*(r[0] for r in results))]
+    _, dev, backend = results[0]
+    return fit_link(world_size, list(sizes), slowest, device=dev, backend=backend)
+
+
+def measure_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repeats: int = 21,
+                 threads: int = 1, seed: int = 0) -> MeasuredRate:
+    """FLOP/s of the whole model's training step in this process, with ``threads`` threads
+    (each rank of a 4-rank launch on a small machine gets one), over ``repeats`` timed
+    steps, counting the cost model's FLOPs (``Model.flops_per_token``)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: need a whole number of timed steps >= 1")
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads={threads!r}: need a whole number of threads >= 1")
     cfg = cfg or ModelConfig()
-    model = build_model(cfg, seed)
-    optimizer = make_adam(model.parameters())
-    x, y = make_batch(global_batch, cfg, 0, seed)
-    train_step(model, optimizer, x, y)  # first call: allocations, optimizer state
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        train_step(model, optimizer, x, y)
-        seconds.append(time.perf_counter() - start)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = build_model(cfg, seed)
+        optimizer = make_adam(model.parameters())
+        x, y = make_batch(global_batch, cfg, 0, seed)
+        for _ in range(2):  # first calls: allocations, optimizer state
+            train_step(model, optimizer, x, y)
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            train_step(model, optimizer, x, y)
+            seconds.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
     flops = Model.from_config(cfg).flops_per_token * global_batch * cfg.seq_len
-    return flops / statistics.median(seconds)
+    return MeasuredRate(tuple(flops / s for s in seconds), threads)
+
+
+def compute_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repeats: int = 21,
+                 threads: int = 1, seed: int = 0) -> float:
+    """The median of :func:`measure_rate`: FLOP/s of the model's step with ``threads``
+    threads."""
+    return measure_rate(cfg, global_batch=global_batch, repeats=repeats, threads=threads,
+                        seed=seed).median
+
+
+def slow_link_beta(flops_per_second: float,
+                   flops_per_byte: float = SLOW_LINK_FLOPS_PER_BYTE) -> float:
+    """Seconds per byte of the emulated slow link: one byte takes as long as
+    ``flops_per_byte`` FLOPs on a device of ``flops_per_second`` (rounded to two significant
+    figures, so that it prints short; the prediction and the emulation use the same)."""
+    if not flops_per_second > 0 or not flops_per_byte > 0:
+        raise ValueError(f"need flops_per_second > 0 and flops_per_byte > 0, got "
+                         f"{flops_per_second!r}, {flops_per_byte!r}")
+    return float(f"{flops_per_byte / flops_per_second:.2g}")
 
 
 def predict(layouts: Sequence[Run], cluster: Hardware, *,
@@ -311,7 +426,7 @@ def rank_order(values: Sequence[float]) -> list[int]:
 
 
 def agreement(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]], *,
-              band: float = 0.25, separated: float = 0.10) -> dict[str, Any]:
+              band: float = 0.15, separated: float = 0.10) -> dict[str, Any]:
     """How far predictions and measurements agree: ``ratios`` (measured / predicted),
     ``within`` (how many ratios lie within 1 +- ``band``), ``pairs`` and ``pairs_same``
     (pairs of layouts, and those that prediction and measurement order alike),
@@ -331,9 +446,12 @@ def agreement(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]], *,
 
 
 def table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
-    """Predicted against measured step time (ms) and memory (MiB) per layout."""
-    lines = [f"{'layout':<10} {'predicted':>9} {'measured':>9} {'spread':>6} {'ratio':>6}   "
-             f"{'states MiB':>10} {'pred':>6} {'act. MiB':>8} {'pred':>6}"]
+    """Predicted against measured step time (ms) and memory (MiB) per layout, under a
+    header that spells out each column."""
+    lines = [f"{'':<10} {'step time, ms':^38}   {'model states, MiB':^19} "
+             f"{'activations, MiB':^19}",
+             f"{'layout':<10} {'predicted':>9} {'measured':>9} {'spread':>7} {'meas/pred':>10}   "
+             f"{'measured':>9} {'predicted':>9} {'measured':>9} {'predicted':>9}"]
     for e, r in zip(estimates, rows):
         mem = r["memory"]
         states = mem["params"] + mem["grads"] + mem["optimizer"]
@@ -341,10 +459,12 @@ def table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
         pred_act = e.memory["activations"] + e.memory["pipeline_in_flight"]
         lines.append(
             f"{r['layout']:<10} {e.step_time * 1e3:>9.0f} "
-            f"{r['step_time'] * 1e3:>9.0f} {r['spread']:>6.0%} "
-            f"{r['step_time'] / e.step_time:>6.2f}   {states / 2**20:>10.2f} "
-            f"{pred_states / 2**20:>6.2f} {mem['activations'] / 2**20:>8.2f} "
-            f"{pred_act / 2**20:>6.2f}")
+            f"{r['step_time'] * 1e3:>9.0f} {r['spread']:>7.0%} "
+            f"{r['step_time'] / e.step_time:>10.2f}   {states / 2**20:>9.2f} "
+            f"{pred_states / 2**20:>9.2f} {mem['activations'] / 2**20:>9.2f} "
+            f"{pred_act / 2**20:>9.2f}")
+    lines.append("spread: interquartile range of the timed steps over their median; "
+                 "meas/pred: measured / predicted")
     return "\n".join(lines)
 
 
@@ -352,28 +472,41 @@ def parts_table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -
     """Where the step goes (ms), predicted / measured: compute, tensor-parallel all-reduces,
     pipeline (bubble and sends predicted; waiting to receive measured), gradient sync, and
     the rest (measured only: optimizer step, copies)."""
-    lines = [f"{'layout':<10} {'compute':>11} {'tp':>11} {'pipeline':>11} {'dp':>11} "
-             f"{'other':>6}"]
+    heads = ("compute", "tensor-par.", "pipeline", "grad. sync")
+    lines = ["ms per step, predicted / measured",
+             f"{'layout':<10} " + " ".join(f"{h:>11}" for h in heads) + f" {'other':>6}"]
     for e, r in zip(estimates, rows):
         pred = {"compute": e.time["compute"], "tp": e.time["tp_comm"],
                 "recv": e.time["pp_bubble"] + e.time["pp_send"], "dp": e.time["dp_sync"]}
         cells = [f"{pred[k] * 1e3:>5.0f}/{r['parts'][k] * 1e3:<5.0f}" for k in pred]
         lines.append(f"{r['layout']:<10} {' '.join(cells)} "
                      f"{r['parts']['other'] * 1e3:>6.0f}")
+    lines.append("tensor-par.: tensor-parallel all-reduces; pipeline: bubble and boundary "
+                 "sends (measured: waiting to receive); grad. sync: the data-parallel "
+                 "all-reduce; other: measured only (optimizer step, copies)")
     return "\n".join(lines)
 
 
 __all__ = [
     "LAYOUTS",
+    "MeasuredRate",
+    "PACED_SIZES",
+    "PAUSE",
     "Run",
+    "SLOWDOWN",
+    "SLOW_LINK_FLOPS_PER_BYTE",
     "agreement",
     "compute_rate",
     "emulated_device",
     "make_adam",
+    "measure_rate",
     "measured",
+    "paced_link_fit",
     "parts_table",
     "predict",
     "rank_order",
     "rank_time_layouts",
+    "rank_time_paced_all_reduce",
+    "slow_link_beta",
     "table",
 ]

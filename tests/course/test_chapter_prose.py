@@ -107,5 +107,15 @@ def test_what_the_issue_found_stale_stays_gone():
     assert "lean on data parallelism" not in choosing
     assert "This is the bandwidth-bound case of section 2, measured" not in choosing
     assert "More devices in data parallelism do not help" not in choosing
+    # the choosing chapter's model now runs at achievable rates: a prediction, not a bound;
+    # the rate here is one thread's, its spread printed; the slow link follows that rate
+    choosing_code = "\n".join(_cells("08_choosing", "code"))
+    for stale in ("lower bound", "upper bound", "at peak compute", "5 MB/s", "200 ns"):
+        assert stale not in choosing, stale
+    for stale in ("one core", "within 25%", "peak compute", "beta=200e-9", "m=64)"):
+        assert stale not in choosing_code, stale
+    assert "measure_rate()" in choosing_code and "slow_link_beta(EMULATED_RATE)" in choosing_code
+    for term in ("**MFU**", "**HFU**"):  # defined where first used
+        assert term in choosing, term
     tensor = "\n".join(_cells("03_tensor_parallel", "markdown"))
     assert "by construction" in tensor  # the slow-link race's agreement is said to be built in

@@ -56,11 +56,34 @@ def test_emulated_device_does_the_ranks_flops(t, p, last):
 def test_agreement_counts_pairs_and_band():
     est = [SimpleNamespace(step_time=x) for x in (1.0, 2.0, 2.1, 4.0)]
     rows = [{"step_time": x} for x in (1.2, 2.6, 2.4, 3.9)]  # the close pair swapped
-    agree = L.agreement(est, rows)
+    agree = L.agreement(est, rows, band=0.25)
     assert agree["within"] == 3                       # 1.3 is outside 1 +- 0.25
+    assert L.agreement(est, rows)["within"] == 2      # and 1.2 outside the default 15%
     assert (agree["pairs"], agree["pairs_same"]) == (6, 5)
     assert (agree["separated"], agree["separated_same"]) == (5, 5)  # 2.0 vs 2.1 is close
     assert agree["best"] == (0, 0)
+
+
+def test_rate_is_measured_with_the_threads_asked_for_and_restores_them():
+    before = torch.get_num_threads()
+    rate = L.measure_rate(SMALL, repeats=3, threads=1)
+    assert torch.get_num_threads() == before
+    assert rate.threads == 1 and len(rate.samples) == 3 and all(r > 0 for r in rate.samples)
+    low, high = rate.quartiles
+    assert low <= rate.median <= high and rate.spread >= 0
+    assert "1 thread" in rate.describe() and "median of 3 steps" in rate.describe()
+    with pytest.raises(ValueError, match="repeats=0"):
+        L.measure_rate(SMALL, repeats=0)
+    with pytest.raises(ValueError, match="threads=0"):
+        L.measure_rate(SMALL, threads=0)
+
+
+def test_slow_link_costs_the_same_flops_per_byte_at_any_rate():
+    for rate in (1e9, 4e9):
+        assert L.slow_link_beta(rate) * rate == pytest.approx(L.SLOW_LINK_FLOPS_PER_BYTE)
+    assert L.slow_link_beta(2e9, flops_per_byte=100) == pytest.approx(5e-8)
+    with pytest.raises(ValueError, match="flops_per_second > 0"):
+        L.slow_link_beta(0.0)
 
 
 def test_measured_takes_the_slowest_rank_per_step():
@@ -115,3 +138,44 @@ def test_slowed_cluster_prediction_uses_both_links():
                                                           1 / (cluster.intra_node.beta + 1e-7))
     fast, slower = (L.predict(L.LAYOUTS, c) for c in (cluster, slowed))
     assert all(b.step_time > a.step_time for a, b in zip(fast, slower))
+
+
+def test_tables_spell_out_their_columns():
+    est = SimpleNamespace(step_time=0.2, memory={"params": 2**20, "grads": 2**20,
+                                                 "optimizer": 2**21, "activations": 2**20,
+                                                 "pipeline_in_flight": 0},
+                          time={"compute": 0.1, "tp_comm": 0.05, "pp_bubble": 0.0,
+                                "pp_send": 0.0, "dp_sync": 0.05})
+    row = {"layout": Layout(dp=4), "step_time": 0.3, "spread": 0.1,
+           "memory": {"params": 2**20, "grads": 2**20, "optimizer": 2**21,
+                      "activations": 2**20},
+           "parts": {"compute": 0.1, "tp": 0.1, "recv": 0.0, "dp": 0.05, "other": 0.05}}
+    text = L.table([est], [row])
+    for words in ("step time, ms", "model states, MiB", "activations, MiB", "predicted",
+                  "measured", "interquartile range", "1.50"):
+        assert words in text, words
+    parts = L.parts_table([est], [row])
+    for words in ("tensor-parallel all-reduces", "predicted / measured", "100/100"):
+        assert words in parts, words
+
+
+def test_paced_link_fit_times_woken_all_reduces_and_fits_the_line():
+    fit = L.paced_link_fit(parlib.launch, 2, sizes=(2**10, 2**16, 2**20), rounds=2,
+                           pause=1e-3, timeout=60)
+    assert fit.n == 2 and fit.sizes == [2**10, 2**16, 2**20] and fit.backend == "gloo"
+    assert len(fit.seconds) == 3 and all(s > 0 for s in fit.seconds)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        L.rank_time_paced_all_reduce([1024], rounds=0)
+
+
+def test_paced_link_fit_takes_the_slowest_rank_per_size():
+    sizes = (1000, 100_000, 1_000_000)
+    per_rank = [([1e-3, 2e-3, 5e-3], "cpu", "gloo"), ([1.5e-3, 1e-3, 6e-3], "cpu", "gloo")]
+
+    def fake_launch(fn, *args, world_size, **kwargs):
+        assert fn is L.rank_time_paced_all_reduce and world_size == 2
+        return per_rank
+
+    fit = L.paced_link_fit(fake_launch, 2, sizes=sizes)
+    assert fit.seconds == [1.5e-3, 2e-3, 6e-3] and fit.sizes == list(sizes)
+    assert fit.b == pytest.approx((6e-3 - 1.5e-3) / (1_000_000 - 1000), rel=0.2)

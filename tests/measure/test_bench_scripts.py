@@ -1,0 +1,59 @@
+"""bench/gpu.py runs as a dry run on the CPU, and lists a rank function that fails; bench/cost.py's
+defaults are the experiment's own constants."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_script_dry_run_measures_and_predicts(capsys):
+    gpu = _load("gpu")
+    assert gpu.main(["--device", "cpu", "--sections", "matmul", "step"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16" in out and "float32" in out and "measured/predicted" in out
+
+
+def test_gpu_script_lists_a_failing_rank_function(monkeypatch):
+    gpu = _load("gpu")
+    from parlib.experiments import pipeline
+
+    monkeypatch.setitem(gpu.CASES, "broken", lambda world: (
+        pipeline.rank_step, (gpu.SMALL,), dict(schedule_name="no such schedule")))
+    status, detail = gpu.run_case("broken", 2, gpu.torch.device("cpu"), timeout=60)
+    assert status == "FAIL" and detail
+    status, detail = gpu.run_case("layouts.rank_time_layouts", 2, gpu.torch.device("cpu"),
+                                  timeout=60)
+    assert status == "ok" and "gradients match" in detail, detail
+
+
+@pytest.mark.slow
+def test_gpu_script_full_dry_run_passes_on_cpu(capsys):
+    gpu = _load("gpu")
+    assert gpu.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "(0 failing of" in out, out
+
+
+def test_cost_script_defaults_are_the_experiments_constants():
+    cost = _load("cost")
+    from parlib.experiments import layouts as L
+
+    ap_defaults = {a.dest: a.default for a in cost.build_parser()._actions}
+    assert ap_defaults["slowdown"] == L.SLOWDOWN
+    assert ap_defaults["flops_per_byte"] == L.SLOW_LINK_FLOPS_PER_BYTE
+    assert set(ap_defaults["sections"]) == {"plan", "published", "ranking", "layouts"}
+    assert ap_defaults["link"] == "paced"
