@@ -10,8 +10,20 @@ and a pipeline all of them; a group is charged the slowest link inside that bloc
 What the model assumes, in one place:
 
 - Compute is spread evenly over devices at ``peak_flops x compute_efficiency`` (the
-  presets: their generation's achievable matmul fraction, :mod:`parlib.cost.efficiency`);
-  full recomputation adds the layers' forward, selective the attention scores'.
+  presets: their generation's achievable matmul fraction, :mod:`parlib.cost.efficiency`)
+  for large matmuls; full recomputation adds the layers' forward, selective the attention
+  scores'.
+- The matmul rate depends on shape (hardware with ``multiprocessors``, as the presets):
+  each layer's FLOPs are charged at the rate of its per-device matmuls, the forward's
+  shapes standing for the backward's too (same FLOPs, same tiles), each shape at
+  :func:`~parlib.cost.efficiency.shape_efficiency` (its output tiles in waves over the SMs
+  plus half a wave's tail), weighted by FLOPs. Rows are one microbatch's tokens on a
+  device, b x s / c: QKV (rows, h, (h + 2 kv) / t), the attention output (rows, h / t, h),
+  the MLP (rows, h, f / t, twice f when gated) and (rows, f / t, h), attention's scores
+  and values as b x heads / t x c batched (s / c, head_dim, s / c) and
+  (s / c, s / c, head_dim) matmuls, the experts' (balanced routing) rows x e x k / E tokens
+  each, E / e experts batched; the output layer (rows, h, V / t). Bigger microbatches or
+  less tensor parallelism make bigger matmuls that run nearer the best rate.
 - Memory-bound operations (norms, residual adds, the MLP's activation, dropout, and the
   softmax over stored attention scores) are charged their bytes over the achievable memory
   bandwidth (:func:`~parlib.cost.memory.memory_bound_bytes_per_layer`, backward twice the
@@ -66,6 +78,7 @@ from functools import lru_cache
 
 from parlib.cost.collectives import collective_time, message_time, predicted_sent_bytes
 from parlib.cost.context import LSE_BYTES, kv_block_bytes, ring_attention_sent_bytes_per_layer
+from parlib.cost.efficiency import shape_efficiency
 from parlib.cost.experts import ep_all_to_all_bytes_per_layer
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
@@ -365,8 +378,10 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     # the layers' FLOPs wait for the slowest stage; the output layer's stay spread evenly
     head_flops = (1 + BACKWARD_PER_FORWARD) * 2 * model.vocab_size * h * tokens
     imbalance = slowest * p / L
-    compute = ((hardware_flops - head_flops) * imbalance + head_flops) / n / (
-        hardware.achievable_flops)
+    layer_rate, head_rate = _matmul_rates(model, b * s_local, t, c, e,
+                                          hardware.multiprocessors)
+    compute = ((hardware_flops - head_flops) * imbalance / layer_rate
+               + head_flops / head_rate) / n / hardware.achievable_flops
 
     # ---- memory-bound operations: bytes over memory bandwidth, every layer, every microbatch
     moved = memory_bound_bytes_per_layer(
@@ -471,6 +486,36 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                    stage=stage,
                    model_flops=model_flops, hardware_flops=hardware_flops,
                    stage_layers=list(per_stage))
+
+
+@lru_cache(maxsize=16384)
+def _matmul_rates(model: Model, rows: int, t: int, c: int, e: int,
+                  multiprocessors: int) -> tuple[float, float]:
+    """The fractions of the best matmul rate a layer's and the output layer's per-device
+    matmuls reach (FLOP-weighted over the layer's shapes): 1 without multiprocessors."""
+    if not multiprocessors:
+        return 1.0, 1.0
+    h, hd, s_local = model.d_model, model.head_dim, model.seq_len // c
+    heads = model.n_heads // t
+    b = max(1, rows // s_local)
+    shapes = [(rows, h, (h + 2 * model.kv_dim) // t, 1), (rows, h // t, h, 1),
+              (s_local, hd, s_local, b * heads * c), (s_local, s_local, hd, b * heads * c)]
+    gate = 2 if model.gated_mlp else 1
+    if model.is_moe:
+        per_expert = max(1, round(rows * e * model.top_k / model.n_experts
+                                  * (model.capacity_factor or 1.0)))
+        local = model.n_experts // e
+        f = model.expert_ffn_dim
+        shapes += [(per_expert, h, gate * f // t, local), (per_expert, f // t, h, local)]
+    else:
+        f = model.ffn_dim
+        shapes += [(rows, h, gate * f // t, 1), (rows, f // t, h, 1)]
+    flops = [2 * m * k * n * batch for m, k, n, batch in shapes]
+    seconds = [fl / shape_efficiency(m, k, n, batch=batch, multiprocessors=multiprocessors)
+               for fl, (m, k, n, batch) in zip(flops, shapes)]
+    head = shape_efficiency(rows, h, max(1, model.vocab_size // t),
+                            multiprocessors=multiprocessors)
+    return sum(flops) / sum(seconds), head
 
 
 @lru_cache(maxsize=4096)
