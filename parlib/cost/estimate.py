@@ -55,8 +55,10 @@ What the model assumes, in one place:
 - Pipeline stages: when p does not divide the L layers, the first and last stages get one
   layer fewer (Llama 3's rule, :func:`~parlib.cost.stages.stage_layers`); the layers' share
   of compute and memory-bound time follows the slowest stage (most layers), the output
-  layer's stays spread evenly; memory is the worst stage's. Interleaving (v > 1) needs p to
-  divide L.
+  layer's stays spread evenly; memory is the worst stage's. Interleaved (v > 1), the same
+  rule splits the L layers into p x v chunks, chunk j on rank j mod p
+  (:func:`~parlib.cost.stages.rank_layers`; p x v <= L); a rank's chunks are charged as
+  equal in the bubble (1/v of its work each) and in what the first rank holds in flight.
 - Pipeline: 1F1B, interleaved over v model chunks per rank when v > 1; the bubble is
   bubble_fraction(p, m, v) of the step; each of the v*m + p - 1 slots sends one boundary
   forward and one back, 1/t of it per TP rank (Megatron's scatter/gather). The first stage
@@ -91,7 +93,7 @@ from parlib.cost.memory import (
 )
 from parlib.cost.model import BACKWARD_PER_FORWARD, Model
 from parlib.cost.pipeline import boundary_bytes, bubble_fraction, in_flight_microbatches
-from parlib.cost.stages import stage_layers
+from parlib.cost.stages import rank_layers
 from parlib.cost.tensor import ALL_REDUCES_PER_LAYER, tp_message_bytes, tp_sent_bytes_per_layer
 
 RECOMPUTE = (False, "selective", True)  # True means full recomputation
@@ -253,11 +255,9 @@ def check_layout(model: Model, n_devices: int, layout: Layout, *, m: int,
                          f"{model.n_layers} layers")
     if v > 1 and p == 1:
         raise ValueError(f"v = {v} model chunks per rank need a pipeline (p > 1)")
-    if v > 1 and model.n_layers % p:
-        raise ValueError(f"v = {v}: the interleaved schedule needs p = {p} to divide the "
-                         f"model's {model.n_layers} layers (uneven stages run v = 1)")
-    if (model.n_layers // p) % v:
-        raise ValueError(f"v = {v} does not divide the {model.n_layers // p} layers per stage")
+    if p * v > model.n_layers:
+        raise ValueError(f"v = {v}: p x v = {p * v} model chunks need at least one layer "
+                         f"each, but the model has {model.n_layers} layers")
     if v > 1 and m % p:
         raise ValueError(f"the interleaved schedule (v = {v}) needs m a multiple of p; got "
                          f"m = {m}, p = {p}")
@@ -309,7 +309,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     expert_layer = model.layer_expert_params / e
 
     # ---- memory of the first, the last and the fullest middle stages; keep the largest
-    per_stage = _stage_layers(L, p)
+    per_stage = _stage_layers(L, p, v)
     slowest = max(per_stage)
     tied_copy = model.vocab_size * h if model.tied_embeddings and p > 1 else 0
     if p == 1:
@@ -319,17 +319,20 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         # (layers, layers' worth of activations held, parameters); the first stage holds the
         # most microbatches in flight, stage i of 1F1B min(m, p - i), the last one
         first = per_stage[0]
-        stages = {"first": (first, in_flight_microbatches(p, m, v) * first // v,
+        stages = {"first": (first, in_flight_microbatches(p, m, v) * first / v,
                             first * dense_layer + model.embedding_params),
                   "last": (per_stage[-1], per_stage[-1],
                            per_stage[-1] * dense_layer + model.head_params + tied_copy)}
-        if v == 1 and L % p:  # uneven: a middle stage may hold more layers than the first
+        if L % (p * v):  # uneven: a middle stage may hold more layers than the first
             fullest = next((i for i in range(1, p - 1) if per_stage[i] == slowest), None)
             for i in {1, fullest} - {None}:
                 if i < p - 1:
+                    # rank i of 1F1B holds min(m, p - i) microbatches; interleaved, Megatron's
+                    # warm-up leaves it min(v m, 2 (p - i - 1) + (v - 1) p + 1) chunks
+                    held = (min(m, p - i) if v == 1 else
+                            min(v * m, 2 * (p - i - 1) + (v - 1) * p + 1) / v)
                     stages[f"stage {i + 1} of {p}"] = (
-                        per_stage[i], min(m, p - i) * per_stage[i],
-                        per_stage[i] * dense_layer)
+                        per_stage[i], held * per_stage[i], per_stage[i] * dense_layer)
     mode = {False: "none", "selective": "selective", True: "full"}[recompute]
     if c > 1 and mode == "none":
         mode = "selective"  # blockwise attention stores no scores
@@ -528,8 +531,8 @@ def _spans(layout: Layout) -> dict[str, int]:
 
 
 @lru_cache(maxsize=1024)
-def _stage_layers(n_layers: int, p: int) -> tuple[int, ...]:
-    return tuple(stage_layers(n_layers, p))
+def _stage_layers(n_layers: int, p: int, v: int = 1) -> tuple[int, ...]:
+    return tuple(rank_layers(n_layers, p, v))
 
 
 def _links(hardware: Hardware, layout: Layout, spans: dict[str, int]) -> dict[str, str]:

@@ -177,3 +177,29 @@ def test_new_hardware_fields_are_validated_and_shown():
     assert "achievable" not in str(plain) and "(80% achievable), memory 3.35 TB/s" in str(
         Hardware.dgx_h100(8))
     assert Hardware.dgx_h200(8).achievable_memory_bandwidth == pytest.approx(4.8e12 * 0.9)
+
+
+def test_interleaved_uneven_chunks_follow_the_same_rule_per_chunk():
+    from parlib.cost.stages import rank_layers
+
+    # 126 layers in 16 x 2 chunks: 32 x 4 = 128, first and last chunk 3: rank 1 holds chunks
+    # 1 and 17 (3 + 4), rank 16 chunks 16 and 32 (4 + 3), the others 8
+    assert rank_layers(126, 16, 2) == [7] + [8] * 14 + [7] == rank_layers(126, 16)
+    # 10 layers in 2 x 2 chunks: [2, 3, 3, 2]; rank 1: chunks 1, 3 -> 5, rank 2: 2, 4 -> 5
+    assert rank_layers(10, 2, 2) == [5, 5]
+    # 9 in 2 x 2: [2, 2, 3, 2] -> rank 1: 2 + 3 = 5, rank 2: 2 + 2 = 4
+    assert rank_layers(9, 2, 2) == [5, 4]
+    assert rank_layers(32, 4, 2) == [8] * 4  # even: the chunks' layers per rank
+    with pytest.raises(ValueError, match="p x v = 4 x 3 = 12 model chunks need at least one"):
+        rank_layers(10, 4, 3)
+    # the estimate: Llama 3 405B's 126 layers on 16 stages interleaved, bubble (p - 1) /
+    # (v m + p - 1) of the step, the slowest rank's 8 layers
+    model = Model(126, 16384, 128, 8192, 128000, ffn_dim=53248, n_kv_heads=8, gated_mlp=True)
+    kw = dict(m=16, global_batch=16, zero=1, recompute="selective")
+    one, two = (estimate(model, Hardware.dgx_h100(128), Layout(tp=8, pp=16), v=v, **kw)
+                for v in (1, 2))
+    assert two.stage_layers == [7] + [8] * 14 + [7]
+    busy = sum(two.time[k] for k in ("compute", "memory_bound", "tp_comm"))
+    assert two.time["pp_bubble"] == pytest.approx(busy * 15 / (2 * 16 + 15) / (1 - 15 / 47))
+    assert two.time["compute"] == pytest.approx(one.time["compute"])
+    assert two.step_time < one.step_time
