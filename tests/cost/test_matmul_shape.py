@@ -104,3 +104,19 @@ def test_bigger_microbatches_run_nearer_the_best_rate():
         one, four = (estimate(model, hardware, Layout(dp=4, tp=8, pp=12), m=2048 // (4 * mbs),
                               **kw).time["compute"] for mbs in (1, 4))
         assert (four < 0.95 * one) if faster else four == pytest.approx(one)
+
+
+def test_experts_matmuls_are_charged_at_their_tokens_per_expert():
+    # 8 experts, top 2, ep = 8 over 8 data-parallel ranks: each rank holds 1 expert, which
+    # receives 8 ranks x 2048 tokens x 2 choices / 8 experts = 4096 rows
+    model = Model(2, 2048, 16, 2048, 32000, n_experts=8, top_k=2, expert_ffn_dim=4096)
+    a100 = Hardware.dgx_a100(8)
+    est = estimate(model, a100, Layout(dp=8, ep=8), m=1, global_batch=8)
+    layer = _efficiency([(2048, 2048, 3 * 2048, 1), (2048, 2048, 2048, 1),
+                         (2048, 128, 2048, 16), (2048, 2048, 128, 16),
+                         (4096, 2048, 4096, 1), (4096, 4096, 2048, 1)])
+    head = shape_efficiency(2048, 2048, 32000, multiprocessors=108)
+    head_flops = 3 * 2 * 32000 * 2048 * 2048 * 8
+    expected = ((est.hardware_flops - head_flops) / layer + head_flops / head) / 8 / (
+        a100.achievable_flops)
+    assert est.time["compute"] == pytest.approx(expected)
