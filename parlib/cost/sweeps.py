@@ -15,7 +15,7 @@ different global batch compare fairly. Every value comes from a table of measure
 times, with its source and precision; none is read off a figure.
 :func:`ranking_table` prints both measures per sweep; :func:`sweep_table` one sweep's points.
 
-What the model cannot know about BigScience's runs: the measured steps are 1.3-1.6x the
+What the model cannot know about BigScience's runs: the measured steps are 1.3-1.7x the
 predicted ones, and the excess grows with the number of microbatches: on the TP 8 sweep it
 is about 34 s plus 7 ms per microbatch per layer of a stage (a least-squares line through
 that sweep's 7 points, a diagnosis, used nowhere), the cost of every kernel and message that
