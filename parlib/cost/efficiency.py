@@ -12,11 +12,35 @@ each number; :func:`achievable_fraction` reads the matmul fraction. The hardware
 use them (``compute_efficiency``, ``memory_efficiency``), so their predictions are of what
 the devices can do, not of the datasheet. On this machine measure it instead:
 ``parlib.measure.matmul_rate``.
+
+The best rate is a large matmul's; a smaller one runs below it. A GPU computes a matmul's
+(rows x cols) output in tiles, one tile per multiprocessor (SM) at a time, so the tiles run
+in *waves* of ``multiprocessors`` tiles, and the last wave is usually partly empty (NVIDIA,
+"Matrix Multiplication Background User's Guide", Sec. 3.2 "Wave Quantization"; Sec. 2.3:
+256 x 128 is cuBLAS's most efficient tile). :func:`matmul_time` charges that tail:
+
+    waves = ceil(rows / 256) x ceil(cols / 128) x batch / multiprocessors
+    time  = max(1, waves + WAVE_TAIL) x (one wave's FLOPs) / best rate
+
+with the tail at half a wave (:data:`WAVE_TAIL`: cuBLAS picks among tile shapes to shrink
+the last wave, so we charge its average, not the worst case). A matmul of many waves runs
+near the best rate; one of 3 waves at 3.5/3 of its time. :func:`shape_efficiency` is the
+fraction of the best rate a shape reaches; the cost model charges each layer's per-device
+matmuls at it. With a sweep of shapes from ``parlib.measure.matmul_rate`` a learner can
+compare the curve with their own device.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# Half a wave: the mean empty share of the last wave when the tile count falls anywhere
+# between two whole waves (an assumption: cuBLAS's choice of tiles shrinks the worst case).
+WAVE_TAIL = 0.5
+# cuBLAS's most efficient tile (rows x cols of the output), NVIDIA's Matrix Multiplication
+# Background User's Guide, Sec. 2.3; assumed for every generation.
+TILE = (256, 128)
 
 
 @dataclass(frozen=True)
@@ -24,12 +48,15 @@ class Achievable:
     """What one device ``generation`` ("A100", "H100", ...) reaches of its datasheet:
     ``matmul_fraction`` of peak matmul FLOP/s (best shape, BF16, no sparsity),
     ``memory_bandwidth`` the fraction of its datasheet memory bandwidth streaming kernels
-    reach, and ``source`` where the numbers come from (or what was assumed)."""
+    reach, ``multiprocessors`` the SMs a matmul's tiles spread over (0: a rate that does
+    not depend on shape, as one measured here), and ``source`` where the numbers come from
+    (or what was assumed)."""
 
     generation: str
     matmul_fraction: float
     memory_bandwidth: float
     source: str
+    multiprocessors: int = 0
 
     def __post_init__(self) -> None:
         for name in ("matmul_fraction", "memory_bandwidth"):
@@ -37,6 +64,10 @@ class Achievable:
             if not 0 < value <= 1:
                 raise ValueError(f"{self.generation}: {name} must be a fraction in (0, 1], "
                                  f"got {value!r}")
+        if isinstance(self.multiprocessors, bool) or not isinstance(
+                self.multiprocessors, int) or self.multiprocessors < 0:
+            raise ValueError(f"{self.generation}: multiprocessors must be an integer >= 0, "
+                             f"got {self.multiprocessors!r}")
 
 
 # No vendor or paper publishes a table of achieved HBM bandwidth the way the MAMF table does
@@ -51,16 +82,19 @@ ACHIEVABLE: dict[str, Achievable] = {
     # TFLOPS, 85.9% (CUDA 12.1, best shape 6912x16384x2048).
     "A100": Achievable("A100", 267.9 / 312, _ASSUMED_MEMORY,
                        "MAMF table, ML Engineering (Bekman): 267.9 of 312 TFLOPS; "
-                       + _MEMORY_NOTE),
+                       + _MEMORY_NOTE + "; 108 SMs (NVIDIA A100 datasheet)",
+                       multiprocessors=108),
     # Same table: H100 SXM 792.1 of 989 TFLOPS, 80.1% (CUDA 12.1, 6144x17920x2816).
     "H100": Achievable("H100", 792.1 / 989, _ASSUMED_MEMORY,
                        "MAMF table, ML Engineering (Bekman): 792.1 of 989 TFLOPS; "
-                       + _MEMORY_NOTE),
+                       + _MEMORY_NOTE + "; 132 SMs (H100 SXM5, NVIDIA Hopper whitepaper)",
+                       multiprocessors=132),
     # The book's later table lists "H100/H200 SXM" together at 794.5 of 989 TFLOPS (80.3%):
     # the same chip with more and faster memory.
     "H200": Achievable("H200", 794.5 / 989, _ASSUMED_MEMORY,
                        "MAMF table, ML Engineering (Bekman): H100/H200 SXM 794.5 of 989 "
-                       "TFLOPS; " + _MEMORY_NOTE),
+                       "TFLOPS; " + _MEMORY_NOTE + "; 132 SMs (the H100's chip)",
+                       multiprocessors=132),
     # A rate measured here (parlib.measure.matmul_rate) is already what this machine
     # achieves: nothing left to discount.
     "measured": Achievable("measured", 1.0, 1.0,
@@ -82,4 +116,42 @@ def achievable_fraction(generation: str) -> float:
     return achievable(generation).matmul_fraction
 
 
-__all__ = ["ACHIEVABLE", "Achievable", "achievable", "achievable_fraction"]
+def matmul_time(rows: int, inner: int, cols: int, *, flops_per_second: float,
+                multiprocessors: int, batch: int = 1) -> float:
+    """Seconds for ``batch`` matmuls of (rows, inner) x (inner, cols) at ``flops_per_second``
+    (the device's best matmul rate), the output's tiles (:data:`TILE`) in waves over
+    ``multiprocessors`` SMs plus the average tail of :data:`WAVE_TAIL` waves, at least one
+    wave. ``multiprocessors`` 0: no waves, every shape at the best rate."""
+    for name, value in (("rows", rows), ("inner", inner), ("cols", cols), ("batch", batch)):
+        if not value > 0:
+            raise ValueError(f"matmul_time: {name} must be > 0, got {value!r}")
+    if not flops_per_second > 0:
+        raise ValueError(f"matmul_time: flops_per_second must be > 0, got {flops_per_second!r}")
+    flops = 2 * rows * inner * cols * batch
+    if not multiprocessors:
+        return flops / flops_per_second
+    tile_rows, tile_cols = TILE
+    tiles = math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols) * batch
+    one_wave = 2 * tile_rows * tile_cols * inner * multiprocessors / flops_per_second
+    return max(1.0, tiles / multiprocessors + WAVE_TAIL) * one_wave
+
+
+def shape_efficiency(rows: int, inner: int, cols: int, *, multiprocessors: int,
+                     batch: int = 1) -> float:
+    """The fraction of the best matmul rate a (rows, inner, cols) matmul (``batch`` of them)
+    reaches: its FLOPs at the best rate over :func:`matmul_time` (1 without multiprocessors).
+    """
+    return (2 * rows * inner * cols * batch) / matmul_time(
+        rows, inner, cols, flops_per_second=1.0, multiprocessors=multiprocessors, batch=batch)
+
+
+def matmul_fraction(generation: str, rows: int, inner: int, cols: int, batch: int = 1) -> float:
+    """The fraction of datasheet peak a (rows, inner, cols) matmul reaches on ``generation``:
+    its best fraction (:func:`achievable_fraction`) times :func:`shape_efficiency`."""
+    row = achievable(generation)
+    return row.matmul_fraction * shape_efficiency(rows, inner, cols, batch=batch,
+                                                  multiprocessors=row.multiprocessors)
+
+
+__all__ = ["ACHIEVABLE", "TILE", "WAVE_TAIL", "Achievable", "achievable",
+           "achievable_fraction", "matmul_fraction", "matmul_time", "shape_efficiency"]

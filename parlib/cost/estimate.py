@@ -10,8 +10,20 @@ and a pipeline all of them; a group is charged the slowest link inside that bloc
 What the model assumes, in one place:
 
 - Compute is spread evenly over devices at ``peak_flops x compute_efficiency`` (the
-  presets: their generation's achievable matmul fraction, :mod:`parlib.cost.efficiency`);
-  full recomputation adds the layers' forward, selective the attention scores'.
+  presets: their generation's achievable matmul fraction, :mod:`parlib.cost.efficiency`)
+  for large matmuls; full recomputation adds the layers' forward, selective the attention
+  scores'.
+- The matmul rate depends on shape (hardware with ``multiprocessors``, as the presets):
+  each layer's FLOPs are charged at the rate of its per-device matmuls, the forward's
+  shapes standing for the backward's too (same FLOPs, same tiles), each shape at
+  :func:`~parlib.cost.efficiency.shape_efficiency` (its output tiles in waves over the SMs
+  plus half a wave's tail), weighted by FLOPs. Rows are one microbatch's tokens on a
+  device, b x s / c: QKV (rows, h, (h + 2 kv) / t), the attention output (rows, h / t, h),
+  the MLP (rows, h, f / t, twice f when gated) and (rows, f / t, h), attention's scores
+  and values as b x heads / t x c batched (s / c, head_dim, s / c) and
+  (s / c, s / c, head_dim) matmuls, the experts' (balanced routing) rows x e x k / E tokens
+  each, E / e experts batched; the output layer (rows, h, V / t). Bigger microbatches or
+  less tensor parallelism make bigger matmuls that run nearer the best rate.
 - Memory-bound operations (norms, residual adds, the MLP's activation, dropout, and the
   softmax over stored attention scores) are charged their bytes over the achievable memory
   bandwidth (:func:`~parlib.cost.memory.memory_bound_bytes_per_layer`, backward twice the
@@ -43,8 +55,10 @@ What the model assumes, in one place:
 - Pipeline stages: when p does not divide the L layers, the first and last stages get one
   layer fewer (Llama 3's rule, :func:`~parlib.cost.stages.stage_layers`); the layers' share
   of compute and memory-bound time follows the slowest stage (most layers), the output
-  layer's stays spread evenly; memory is the worst stage's. Interleaving (v > 1) needs p to
-  divide L.
+  layer's stays spread evenly; memory is the worst stage's. Interleaved (v > 1), the same
+  rule splits the L layers into p x v chunks, chunk j on rank j mod p
+  (:func:`~parlib.cost.stages.rank_layers`; p x v <= L); a rank's chunks are charged as
+  equal in the bubble (1/v of its work each) and in what the first rank holds in flight.
 - Pipeline: 1F1B, interleaved over v model chunks per rank when v > 1; the bubble is
   bubble_fraction(p, m, v) of the step; each of the v*m + p - 1 slots sends one boundary
   forward and one back, 1/t of it per TP rank (Megatron's scatter/gather). The first stage
@@ -66,6 +80,7 @@ from functools import lru_cache
 
 from parlib.cost.collectives import collective_time, message_time, predicted_sent_bytes
 from parlib.cost.context import LSE_BYTES, kv_block_bytes, ring_attention_sent_bytes_per_layer
+from parlib.cost.efficiency import shape_efficiency
 from parlib.cost.experts import ep_all_to_all_bytes_per_layer
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
@@ -78,7 +93,7 @@ from parlib.cost.memory import (
 )
 from parlib.cost.model import BACKWARD_PER_FORWARD, Model
 from parlib.cost.pipeline import boundary_bytes, bubble_fraction, in_flight_microbatches
-from parlib.cost.stages import stage_layers
+from parlib.cost.stages import rank_layers
 from parlib.cost.tensor import ALL_REDUCES_PER_LAYER, tp_message_bytes, tp_sent_bytes_per_layer
 
 RECOMPUTE = (False, "selective", True)  # True means full recomputation
@@ -240,11 +255,9 @@ def check_layout(model: Model, n_devices: int, layout: Layout, *, m: int,
                          f"{model.n_layers} layers")
     if v > 1 and p == 1:
         raise ValueError(f"v = {v} model chunks per rank need a pipeline (p > 1)")
-    if v > 1 and model.n_layers % p:
-        raise ValueError(f"v = {v}: the interleaved schedule needs p = {p} to divide the "
-                         f"model's {model.n_layers} layers (uneven stages run v = 1)")
-    if (model.n_layers // p) % v:
-        raise ValueError(f"v = {v} does not divide the {model.n_layers // p} layers per stage")
+    if p * v > model.n_layers:
+        raise ValueError(f"v = {v}: p x v = {p * v} model chunks need at least one layer "
+                         f"each, but the model has {model.n_layers} layers")
     if v > 1 and m % p:
         raise ValueError(f"the interleaved schedule (v = {v}) needs m a multiple of p; got "
                          f"m = {m}, p = {p}")
@@ -296,7 +309,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     expert_layer = model.layer_expert_params / e
 
     # ---- memory of the first, the last and the fullest middle stages; keep the largest
-    per_stage = _stage_layers(L, p)
+    per_stage = _stage_layers(L, p, v)
     slowest = max(per_stage)
     tied_copy = model.vocab_size * h if model.tied_embeddings and p > 1 else 0
     if p == 1:
@@ -306,17 +319,20 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         # (layers, layers' worth of activations held, parameters); the first stage holds the
         # most microbatches in flight, stage i of 1F1B min(m, p - i), the last one
         first = per_stage[0]
-        stages = {"first": (first, in_flight_microbatches(p, m, v) * first // v,
+        stages = {"first": (first, in_flight_microbatches(p, m, v) * first / v,
                             first * dense_layer + model.embedding_params),
                   "last": (per_stage[-1], per_stage[-1],
                            per_stage[-1] * dense_layer + model.head_params + tied_copy)}
-        if v == 1 and L % p:  # uneven: a middle stage may hold more layers than the first
+        if L % (p * v):  # uneven: a middle stage may hold more layers than the first
             fullest = next((i for i in range(1, p - 1) if per_stage[i] == slowest), None)
             for i in {1, fullest} - {None}:
                 if i < p - 1:
+                    # rank i of 1F1B holds min(m, p - i) microbatches; interleaved, Megatron's
+                    # warm-up leaves it min(v m, 2 (p - i - 1) + (v - 1) p + 1) chunks
+                    held = (min(m, p - i) if v == 1 else
+                            min(v * m, 2 * (p - i - 1) + (v - 1) * p + 1) / v)
                     stages[f"stage {i + 1} of {p}"] = (
-                        per_stage[i], min(m, p - i) * per_stage[i],
-                        per_stage[i] * dense_layer)
+                        per_stage[i], held * per_stage[i], per_stage[i] * dense_layer)
     mode = {False: "none", "selective": "selective", True: "full"}[recompute]
     if c > 1 and mode == "none":
         mode = "selective"  # blockwise attention stores no scores
@@ -365,8 +381,10 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     # the layers' FLOPs wait for the slowest stage; the output layer's stay spread evenly
     head_flops = (1 + BACKWARD_PER_FORWARD) * 2 * model.vocab_size * h * tokens
     imbalance = slowest * p / L
-    compute = ((hardware_flops - head_flops) * imbalance + head_flops) / n / (
-        hardware.achievable_flops)
+    layer_rate, head_rate = _matmul_rates(model, b * s_local, t, c, e,
+                                          hardware.multiprocessors)
+    compute = ((hardware_flops - head_flops) * imbalance / layer_rate
+               + head_flops / head_rate) / n / hardware.achievable_flops
 
     # ---- memory-bound operations: bytes over memory bandwidth, every layer, every microbatch
     moved = memory_bound_bytes_per_layer(
@@ -473,6 +491,36 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                    stage_layers=list(per_stage))
 
 
+@lru_cache(maxsize=16384)
+def _matmul_rates(model: Model, rows: int, t: int, c: int, e: int,
+                  multiprocessors: int) -> tuple[float, float]:
+    """The fractions of the best matmul rate a layer's and the output layer's per-device
+    matmuls reach (FLOP-weighted over the layer's shapes): 1 without multiprocessors."""
+    if not multiprocessors:
+        return 1.0, 1.0
+    h, hd, s_local = model.d_model, model.head_dim, model.seq_len // c
+    heads = model.n_heads // t
+    b = max(1, rows // s_local)
+    shapes = [(rows, h, (h + 2 * model.kv_dim) // t, 1), (rows, h // t, h, 1),
+              (s_local, hd, s_local, b * heads * c), (s_local, s_local, hd, b * heads * c)]
+    gate = 2 if model.gated_mlp else 1
+    if model.is_moe:
+        per_expert = max(1, round(rows * e * model.top_k / model.n_experts
+                                  * (model.capacity_factor or 1.0)))
+        local = model.n_experts // e
+        f = model.expert_ffn_dim
+        shapes += [(per_expert, h, gate * f // t, local), (per_expert, f // t, h, local)]
+    else:
+        f = model.ffn_dim
+        shapes += [(rows, h, gate * f // t, 1), (rows, f // t, h, 1)]
+    flops = [2 * m * k * n * batch for m, k, n, batch in shapes]
+    seconds = [fl / shape_efficiency(m, k, n, batch=batch, multiprocessors=multiprocessors)
+               for fl, (m, k, n, batch) in zip(flops, shapes)]
+    head = shape_efficiency(rows, h, max(1, model.vocab_size // t),
+                            multiprocessors=multiprocessors)
+    return sum(flops) / sum(seconds), head
+
+
 @lru_cache(maxsize=4096)
 def _spans(layout: Layout) -> dict[str, int]:
     """Consecutive ranks a group of each axis spans (ep's only where it splits)."""
@@ -483,8 +531,8 @@ def _spans(layout: Layout) -> dict[str, int]:
 
 
 @lru_cache(maxsize=1024)
-def _stage_layers(n_layers: int, p: int) -> tuple[int, ...]:
-    return tuple(stage_layers(n_layers, p))
+def _stage_layers(n_layers: int, p: int, v: int = 1) -> tuple[int, ...]:
+    return tuple(rank_layers(n_layers, p, v))
 
 
 def _links(hardware: Hardware, layout: Layout, spans: dict[str, int]) -> dict[str, str]:

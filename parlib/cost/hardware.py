@@ -55,7 +55,7 @@ def _achievable(generation: str) -> dict[str, Any]:
     """A preset's fields from its generation's row of the efficiency table."""
     row = achievable(generation)
     return {"generation": generation, "compute_efficiency": row.matmul_fraction,
-            "memory_efficiency": row.memory_bandwidth}
+            "memory_efficiency": row.memory_bandwidth, "multiprocessors": row.multiprocessors}
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,11 @@ class Hardware:
     ``memory_efficiency`` is reached; the memory-bound operations (norms, softmax,
     elementwise) are charged bytes over that rate. The default, infinite, charges them
     nothing (the model before they were counted). ``generation`` names the device's row of
-    the efficiency table ("A100", "H100", ...; "" when none applies).
+    the efficiency table ("A100", "H100", ...; "" when none applies). ``multiprocessors``
+    (the presets: their generation's SM count) makes the matmul rate depend on shape: a
+    matmul's output tiles run in waves over the SMs and small matmuls lose a larger share
+    to the last, partly empty wave (:func:`parlib.cost.efficiency.matmul_time`); 0 runs
+    every shape at ``achievable_flops``.
     """
 
     n_devices: int
@@ -85,6 +89,7 @@ class Hardware:
     memory_bandwidth: float = math.inf
     memory_efficiency: float = 1.0
     generation: str = ""
+    multiprocessors: int = 0
 
     def __post_init__(self) -> None:
         for field in ("n_devices", "devices_per_node"):
@@ -102,6 +107,10 @@ class Hardware:
             value = getattr(self, field)
             if not 0 < value <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {value!r}")
+        if isinstance(self.multiprocessors, bool) or not isinstance(
+                self.multiprocessors, int) or self.multiprocessors < 0:
+            raise ValueError(f"multiprocessors must be an integer >= 0 (0: the matmul rate "
+                             f"does not depend on shape), got {self.multiprocessors!r}")
         if not self.memory_bandwidth > 0:
             raise ValueError(f"memory_bandwidth must be > 0 bytes/s, got "
                              f"{self.memory_bandwidth!r}")
@@ -122,9 +131,10 @@ class Hardware:
 
     @property
     def at_peak(self) -> Hardware:
-        """This hardware at its datasheet: compute and memory efficiency 1 (an upper bound,
-        as the cost model was before it counted achievable rates)."""
-        return replace(self, compute_efficiency=1.0, memory_efficiency=1.0)
+        """This hardware at its datasheet: compute and memory efficiency 1 and every matmul
+        shape at that rate (an upper bound, as the cost model was before it counted
+        achievable rates)."""
+        return replace(self, compute_efficiency=1.0, memory_efficiency=1.0, multiprocessors=0)
 
     @property
     def n_nodes(self) -> int:

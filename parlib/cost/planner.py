@@ -41,8 +41,10 @@ def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
     """Every valid (layout, m, v): t divides the heads, p is at most the layers (uneven
     stages when it does not divide them: :func:`~parlib.cost.stages.stage_layers`), 2c the
     sequence (the zig-zag split; c at most :data:`MAX_CP` and s/c at least
-    :data:`MIN_CP_POSITIONS`, which keeps the search small), v the layers per stage (v = 1
-    for uneven stages), d x m the global batch, and m is a multiple of p when v > 1. For a
+    :data:`MIN_CP_POSITIONS`, which keeps the search small), v a divisor of the most layers
+    a stage holds (ceil(L / p), p x v at most L; uneven stages make uneven chunks,
+    :func:`~parlib.cost.stages.rank_layers`), d x m the global batch, and m is a multiple of
+    p when v > 1. For a
     mixture-of-experts model, every ep that divides both the experts and d x c."""
     n = hardware.n_devices
     for t in divisors(n):
@@ -58,8 +60,10 @@ def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
                 d = n // (t * p * c)
                 if global_batch % d:
                     continue
-                chunks = (divisors(model.n_layers // p)
-                          if p > 1 and model.n_layers % p == 0 else [1])
+                # v divides the most layers a stage holds (with uneven stages the chunks
+                # are uneven too: stages.rank_layers)
+                chunks = ([v for v in divisors(-(-model.n_layers // p))
+                           if p * v <= model.n_layers] if p > 1 else [1])
                 # ep for mixtures only: it divides the experts and d x c (whose ranks it borrows)
                 eps = ([e for e in divisors(d * c) if model.n_experts % e == 0]
                        if model.is_moe else [1])

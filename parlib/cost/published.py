@@ -142,6 +142,10 @@ def _korthikanti_row(billions: str, heads: int, hidden: int, layers: int, p: int
 # dimension 16,384, FFN 53,248, 128 heads, 8 key/value heads, vocabulary 128,000) and
 # Table 4 (GPUs, TP, CP, PP, DP, sequence length, batch size per DP, tokens per batch,
 # TFLOPs per GPU, BF16 MFU) on H100 80 GB nodes of 8.
+# Table 4 does not state the pipeline's chunks per rank (v); the rows keep v = 1, so their
+# bubble is an upper bound. With v = 2 (the L = 126 layers in 32 chunks by the same rule) the
+# model predicts the 16,384-GPU rows 0.97 and 0.92 of reported/predicted (1.27 and 1.21 at
+# v = 1), and the 8,192-GPU row (32 microbatches) does not fit: 32 x 2 chunks in flight.
 _LLAMA = "Dubey et al. 2024 (Llama 3), Tables 3 and 4"
 _LLAMA_ASSUMED = ("126 layers in 16 stages, the first and last one layer short (the paper's "
                   "rule); microbatch 1 (batch per DP = m); v = 1, so the bubble is an upper bound; "

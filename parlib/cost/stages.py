@@ -10,6 +10,11 @@ already sit, so they are the ones to lighten. 126 layers in 16 stages: 16 x 8 = 
 many, so the first and last stages get 7 and the fourteen others 8.
 
 The step follows the slowest stage (the most layers); memory is that of the worst stage.
+
+Interleaved (v model chunks per rank): the same rule over the p x v chunks, chunk j on rank
+j mod p (:func:`rank_layers`). 126 layers in 16 x 2 chunks: 32 x 4 = 128, the first and
+last chunks get 3, so rank 1 (chunks 1 and 17) holds 3 + 4 = 7 layers, rank 16 (chunks 16
+and 32) 4 + 3 = 7, the others 8: the same stages as without interleaving.
 """
 
 from __future__ import annotations
@@ -32,10 +37,22 @@ def stage_layers(n_layers: int, p: int) -> list[int]:
     return layers
 
 
+def rank_layers(n_layers: int, p: int, v: int = 1) -> list[int]:
+    """Layers each of ``p`` pipeline ranks holds with ``v`` model chunks per rank: the
+    p x v chunks split by :func:`stage_layers`, chunk j on rank j mod p (v = 1: the stages)."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"v must be a positive integer, got {v!r}")
+    if p * v > n_layers:
+        raise ValueError(f"p x v = {p} x {v} = {p * v} model chunks need at least one layer "
+                         f"each, but the model has {n_layers} layers")
+    chunks = stage_layers(n_layers, p * v)
+    return [sum(chunks[rank::p]) for rank in range(p)]
+
+
 def stage_imbalance(n_layers: int, p: int) -> float:
     """The slowest stage's layers over the mean's, max(layers) x p / L: 1 when p divides L.
     The layers' share of a step stretches by this much (every stage waits for the slowest)."""
     return max(stage_layers(n_layers, p)) * p / n_layers
 
 
-__all__ = ["stage_imbalance", "stage_layers"]
+__all__ = ["rank_layers", "stage_imbalance", "stage_layers"]

@@ -14,6 +14,14 @@ Throughput is sequences per second (global batch / step time), so points with a 
 different global batch compare fairly. Every value comes from a table of measured step
 times, with its source and precision; none is read off a figure.
 :func:`ranking_table` prints both measures per sweep; :func:`sweep_table` one sweep's points.
+
+What the model cannot know about BigScience's runs: the measured steps are 1.3-1.7x the
+predicted ones, and the excess grows with the number of microbatches: on the TP 8 sweep it
+is about 34 s plus 7 ms per microbatch per layer of a stage (a least-squares line through
+that sweep's 7 points, a diagnosis, used nowhere), the cost of every kernel and message that
+does not shrink with a smaller microbatch (framework and launch overheads of early 2022's
+Megatron-DeepSpeed). The model charges a matmul's shape (bigger microbatches run nearer the
+best rate) but no fixed cost per kernel, so it still ranks small microbatches too high.
 """
 
 from __future__ import annotations

@@ -200,14 +200,15 @@ def test_wrong_kinds_of_model_and_hardware_are_named():
     (dict(tp=1, pp=3, dp=1, n=3, m=3, global_batch=3), None),  # uneven stages: 11, 11, 10
     (dict(tp=1, pp=64, dp=1, n=64, m=64, global_batch=64),
      r"p = 64 stages need at least one layer each, but the model has 32 layers"),
-    (dict(tp=1, pp=3, dp=1, n=3, v=2, m=3, global_batch=3),
-     r"the interleaved schedule needs p = 3 to divide the model's 32 layers"),
+    (dict(tp=1, pp=3, dp=1, n=3, v=2, m=3, global_batch=3), None),  # 6 chunks: 5,6,5,5,6,5
+    (dict(tp=1, pp=16, dp=1, n=16, v=3, m=16, global_batch=16),
+     r"v = 3: p x v = 48 model chunks need at least one layer each, but the model has 32"),
     (dict(tp=2, pp=2, dp=4, zero=3), r"ZeRO-3 with a pipeline \(p = 2\) is refused"),
     (dict(global_batch=60), r"global_batch = 60 is not divisible by d x m = 2 x 8 = 16"),
     (dict(zero=4), r"zero must be 0, 1, 2 or 3"),
     (dict(recompute="yes"), r"recompute must be False, 'selective' or True"),
     (dict(v=2), r"v = 2 model chunks per rank need a pipeline"),
-    (dict(tp=2, pp=4, v=3), r"v = 3 does not divide the 8 layers per stage"),
+    (dict(tp=2, pp=4, v=3, m=4, global_batch=16), None),  # 12 chunks of 3 or 2 layers
     (dict(tp=2, pp=4, v=2, m=2), r"needs m a multiple of p"),
 ])
 def test_impossible_inputs_are_named(kw, message):

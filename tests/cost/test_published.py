@@ -3,12 +3,15 @@
 The presets run at their generation's achievable matmul fraction (parlib.cost.efficiency),
 one number per generation, never tuned per run. The issue's target is reported / predicted
 within 0.8-1.25 for 8 of 10 runs. With costcore at 80a5a3e (memory-bound ops charged, uneven
-stages) the model reaches 9 of 16, four of them at the band's edge (Megatron-LM 76.1B 0.801,
-145.6B 0.803, Korthikanti 1T 0.800, 530B 0.808); the others in: Llama 3 on 8,192 GPUs 0.99,
-on 16,384 1.24 and 1.20 (v = 1's bubble charged; the run interleaved), torchtitan 70B 0.93,
-MPT 30B 0.83. Outside, all below: Megatron-LM 1008B 0.79, Korthikanti 175B 0.78 and 22B
-0.66, BLOOM 0.76, OPT 0.72, torchtitan 8B 0.72, MPT 7B 0.64 (the model is optimistic on
-the smaller, faster-stepping runs). test_agreement_does_not_regress guards that count.
+stages) the model reached 9 of 16, four of them at the band's edge. With the shape-dependent
+matmul rate (output tiles in waves over the SMs, parlib.cost.efficiency.matmul_time) it
+reaches 10 of 16: Megatron-LM 76.1B 0.89, 145.6B 0.88, 1008B 0.84; Korthikanti 175B 0.86,
+530B 0.87, 1T 0.85; Llama 3 on 8,192 GPUs 1.01 and on 16,384 with CP 1.21; torchtitan 70B
+0.94; MPT 30B 0.84. Outside: Llama 3 on 16,384 without CP 1.27 (v = 1's bubble charged; the
+run interleaved), and below the band Korthikanti 22B 0.80 (0.796), BLOOM 0.78, OPT 0.73,
+torchtitan 8B 0.73, MPT 7B 0.66 (the model is optimistic on the smaller, faster-stepping
+runs). The 11 A100 rows' median is 0.85 (0.79 before). test_agreement_does_not_regress
+guards that count.
 """
 
 import dataclasses
@@ -26,7 +29,7 @@ from parlib.cost.published import (
 )
 
 # What the model reaches today (see the module docstring); raise it when the model improves.
-RUNS_IN_BAND_AT_LEAST = 9
+RUNS_IN_BAND_AT_LEAST = 10
 # A run far outside this is a broken row or a broken model, not a modelling limit.
 SANITY_BAND = (0.45, 1.3)
 

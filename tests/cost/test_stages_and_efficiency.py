@@ -74,8 +74,11 @@ def test_presets_run_at_their_generations_achievable_fraction():
     # compute time scales as 1 / efficiency: the same layout at peak is 0.801x as long
     model = Model(32, 4096, 32, 2048, 51200)
     kw = dict(m=1, global_batch=8)
-    real = estimate(model, h100, Layout(dp=8), **kw)
-    peak = estimate(model, h100.at_peak, Layout(dp=8), **kw)
+    # (with a shape-independent rate: multiprocessors 0; the shapes' part is tested in
+    # test_matmul_shape.py)
+    flat = h100.with_(multiprocessors=0)
+    real = estimate(model, flat, Layout(dp=8), **kw)
+    peak = estimate(model, flat.at_peak, Layout(dp=8), **kw)
     assert peak.time["compute"] / real.time["compute"] == pytest.approx(792.1 / 989)
     assert real.mfu < peak.mfu and real.hfu == real.mfu  # nothing recomputed: HFU = MFU
 
@@ -155,7 +158,9 @@ def test_every_uneven_layout_the_planner_tries_is_one_estimate_accepts():
     hw = Hardware.dgx_h100(16)
     tried = list(candidate_layouts(model, hw, 32))
     assert any(lay.pp == 16 for lay, _, _ in tried)
-    assert all(v == 1 for lay, _, v in tried if 126 % lay.pp)
+    # uneven p = 16: v divides the 8 layers of the fullest stage, and 16 v chunks fit in 126
+    # layers (v = 8 would need 128); the chunks by rank_layers
+    assert {v for lay, _, v in tried if lay.pp == 16} == {1, 2, 4}
     for layout, m, v in tried:
         est = estimate(model, hw, layout, m=m, v=v, global_batch=32)
         assert sum(est.stage_layers) == 126 and len(est.stage_layers) == layout.pp
@@ -174,3 +179,29 @@ def test_new_hardware_fields_are_validated_and_shown():
     assert "achievable" not in str(plain) and "(80% achievable), memory 3.35 TB/s" in str(
         Hardware.dgx_h100(8))
     assert Hardware.dgx_h200(8).achievable_memory_bandwidth == pytest.approx(4.8e12 * 0.9)
+
+
+def test_interleaved_uneven_chunks_follow_the_same_rule_per_chunk():
+    from parlib.cost.stages import rank_layers
+
+    # 126 layers in 16 x 2 chunks: 32 x 4 = 128, first and last chunk 3: rank 1 holds chunks
+    # 1 and 17 (3 + 4), rank 16 chunks 16 and 32 (4 + 3), the others 8
+    assert rank_layers(126, 16, 2) == [7] + [8] * 14 + [7] == rank_layers(126, 16)
+    # 10 layers in 2 x 2 chunks: [2, 3, 3, 2]; rank 1: chunks 1, 3 -> 5, rank 2: 2, 4 -> 5
+    assert rank_layers(10, 2, 2) == [5, 5]
+    # 9 in 2 x 2: [2, 2, 3, 2] -> rank 1: 2 + 3 = 5, rank 2: 2 + 2 = 4
+    assert rank_layers(9, 2, 2) == [5, 4]
+    assert rank_layers(32, 4, 2) == [8] * 4  # even: the chunks' layers per rank
+    with pytest.raises(ValueError, match="p x v = 4 x 3 = 12 model chunks need at least one"):
+        rank_layers(10, 4, 3)
+    # the estimate: Llama 3 405B's 126 layers on 16 stages interleaved, bubble (p - 1) /
+    # (v m + p - 1) of the step, the slowest rank's 8 layers
+    model = Model(126, 16384, 128, 8192, 128000, ffn_dim=53248, n_kv_heads=8, gated_mlp=True)
+    kw = dict(m=16, global_batch=16, zero=1, recompute="selective")
+    one, two = (estimate(model, Hardware.dgx_h100(128), Layout(tp=8, pp=16), v=v, **kw)
+                for v in (1, 2))
+    assert two.stage_layers == [7] + [8] * 14 + [7]
+    busy = sum(two.time[k] for k in ("compute", "memory_bound", "tp_comm"))
+    assert two.time["pp_bubble"] == pytest.approx(busy * 15 / (2 * 16 + 15) / (1 - 15 / 47))
+    assert two.time["compute"] == pytest.approx(one.time["compute"])
+    assert two.step_time < one.step_time

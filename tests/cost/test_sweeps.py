@@ -1,12 +1,13 @@
 """Ranking published layout sweeps (parlib.cost.sweeps).
 
 The issue's targets are Spearman >= 0.8 and the model's pick within 5% of the measured best.
-The model misses both on BigScience's two Jean Zay sweeps (costcore at 80a5a3e): Spearman
-0.23 over 17 layouts and -0.86 over 7, the pick at 0.85 of the best in each. The sweeps vary
-the microbatch size, and the measurements run faster with bigger microbatches (bigger
-matmuls), while the model's matmul rate does not depend on their shape: it sees only the
-smaller bubble of more, smaller microbatches, and picks MBS 1. The guards below are set at
-that level.
+Before the matmul rate depended on shape (costcore at 80a5a3e) the model missed both on
+BigScience's two Jean Zay sweeps: Spearman 0.23 over 17 layouts and -0.86 over 7, the pick
+at 0.85 of the best in each; it saw only the smaller bubble of more, smaller microbatches and
+picked MBS 1. With each layer's matmuls charged at their shape's rate (tiles in waves over
+the SMs, parlib.cost.efficiency.matmul_time) bigger microbatches and smaller t compute
+faster: Spearman 0.34 and 0.14, the pick at 0.92 and 0.91 of the best. Still short of the
+targets; the guards below are set at that level.
 """
 
 import dataclasses
@@ -25,9 +26,9 @@ from parlib.cost.sweeps import (
 )
 
 # Today's figures (see the docstring): regression guards, not the targets.
-CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.15,
-                        "BigScience 181B, 384 A100: PP x MBS at TP 8": -0.9}
-PICK_AT_LEAST = 0.84
+CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.3,
+                        "BigScience 181B, 384 A100: PP x MBS at TP 8": 0.1}
+PICK_AT_LEAST = 0.9
 
 
 def test_ranks_average_ties():
