@@ -13,6 +13,12 @@ al. 2022), with tensor and sequence parallelism and recomputation, and the outpu
 from __future__ import annotations
 
 
+def _require_at_least_one(**values: float) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
+
+
 def model_state_bytes_per_param(mixed_precision: bool = False) -> dict[str, int]:
     """Bytes per parameter by kind: {"params", "grads", "optimizer"} (Adam)."""
     if mixed_precision:
@@ -82,11 +88,8 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_h
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
-                        ("d_model", d_model), ("n_heads", n_heads), ("t", t),
-                        ("dtype_bytes", dtype_bytes)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value!r}")
+    _require_at_least_one(seq_len=seq_len, micro_batch=micro_batch, d_model=d_model,
+                          n_heads=n_heads, t=t, dtype_bytes=dtype_bytes)
     s, b, h, a = seq_len, micro_batch, d_model, n_heads
     f = 4 * h if ffn_dim is None else ffn_dim
     kv = h if kv_dim is None else kv_dim
@@ -136,11 +139,8 @@ def memory_bound_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n
 
     Backward moves about :data:`MEMORY_BOUND_BACKWARD_PER_FORWARD` times these bytes.
     """
-    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch),
-                        ("d_model", d_model), ("n_heads", n_heads), ("t", t),
-                        ("dtype_bytes", dtype_bytes)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value!r}")
+    _require_at_least_one(seq_len=seq_len, micro_batch=micro_batch, d_model=d_model,
+                          n_heads=n_heads, t=t, dtype_bytes=dtype_bytes)
     s, b, h, a = seq_len, micro_batch, d_model, n_heads
     f = 4 * h if ffn_dim is None else ffn_dim
     tokens = s * b
