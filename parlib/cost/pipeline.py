@@ -188,7 +188,7 @@ def critical_path_messages(name: str, p: int, m: int, v: int = 1) -> int:
 def crossing_time(payload_bytes: float, alpha: float, beta: float,
                   header_bytes: float = HEADER_BYTES) -> float:
     """Time one boundary crossing of the runner takes: its header message then its payload
-    message, each alpha + beta x bytes (chapter 00's model, ``message_time``)."""
+    message, each alpha + beta x bytes (the launching chapter's model, ``message_time``)."""
     if payload_bytes < 0 or alpha < 0 or beta < 0:
         raise ValueError(f"need bytes, alpha, beta >= 0, got {payload_bytes}, {alpha}, {beta}")
     return message_time(header_bytes, alpha, beta) + message_time(payload_bytes, alpha, beta)

@@ -323,8 +323,7 @@ TORCHTITAN_RUNS = (
     _titan_row("8B", 32, 4096, 32, 14336, "selective", "selective op", 2973, 58.2),
     _titan_row("70B", 80, 8192, 64, 28672, True, "full", 331, 51.7),
 )
-# Megatron-LM's and Llama 3's rows first, in the order chapter 08 indexes them (RUNS[3] is
-# Llama 3 on 8,192 GPUs).
+# Megatron-LM's and Llama 3's rows first.
 MOSAIC_RUNS = (
     _mosaic_row("7B", 32, 4096, 32, 8, 6, 1, 48, False, 10643, 46.44, 6658859008),
     _mosaic_row("30B", 48, 7168, 56, 32, 14, 3, 1344, True, 2308, 43.92, 29975214080),
