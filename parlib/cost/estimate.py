@@ -392,13 +392,14 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     imbalance = slowest * p / L
     layer_rate, head_rate = _matmul_rates(model, b * s_local, t, c, e,
                                           hardware.multiprocessors)
+    stage_compute: list[float] = []  # per stage, where the stages differ (replicated_head)
     if replicated_head:  # the last stage's t ranks each compute the whole output layer
         head_rate = _matmul_rates(model, b * s_local, 1, c, e, hardware.multiprocessors)[1]
         layers_flops = (hardware_flops - head_flops) / L / (n / p)  # per layer, per device
-        compute = max(layers * layers_flops / layer_rate for layers in per_stage[:-1]) \
-            if p > 1 else 0.0
-        compute = max(compute, per_stage[-1] * layers_flops / layer_rate
-                      + head_flops * t * p / n / head_rate) / hardware.achievable_flops
+        stage_compute = [(layers * layers_flops / layer_rate
+                          + (head_flops * t * p / n / head_rate if i == p - 1 else 0.0))
+                         / hardware.achievable_flops for i, layers in enumerate(per_stage)]
+        compute = max(stage_compute)
     else:
         compute = ((hardware_flops - head_flops) * imbalance / layer_rate
                    + head_flops / head_rate) / n / hardware.achievable_flops
@@ -463,6 +464,9 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     if p > 1:
         f = bubble_fraction(p, m, v)
         pp_bubble = busy * f / (1 - f)
+        if stage_compute:  # the fill and drain pass through the other, lighter stages
+            others = sorted(stage_compute)[:-1]
+            pp_bubble = (busy - compute + sum(others) / len(others)) * f / (1 - f)
         boundary = boundary_bytes(b, s_local, h, act_bytes) / t
         slots = v * m + p - 1
         pp_send = 2 * slots * message_time(boundary, links["pp"].alpha, links["pp"].beta)
