@@ -220,8 +220,10 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     ``replicated_head=True``: the embedding and the output layer are not split by tensor
     parallelism (every tensor-parallel rank holds them whole and computes the whole output
     layer, on the last pipeline stage only), as the course's own tensor-parallel and
-    pipeline code runs them; the default spreads the output layer's FLOPs evenly over the
-    devices (a vocabulary-parallel head) and splits its weights t ways.
+    pipeline code runs them: compute is the busiest stage's, and the pipeline's bubble
+    (fill and drain through the other stages) is charged at the other stages' mean compute.
+    The default spreads the output layer's FLOPs evenly over the devices (a
+    vocabulary-parallel head) and splits its weights t ways.
     Raises ValueError naming the problem for a layout that cannot exist.
     """
     check_inputs(model, hardware)

@@ -206,3 +206,10 @@ def test_prediction_charges_the_output_layer_where_the_emulated_device_does():
     here = L.predict([L.Run(Layout(tp=4))], cluster)[0]
     assert here.time["compute"] == pytest.approx(1.11 * general.time["compute"], rel=0.01)
     assert here.memory["params"] > general.memory["params"]  # the head held whole
+    # a pipeline's fill and drain pass through the lighter stages: p = 4's bubble is the
+    # first stages' compute x (p - 1) / m, not the last stage's
+    p4 = L.predict([L.Run(Layout(pp=4), m=4)], cluster)[0]
+    light = L.emulated_device(model, Layout(pp=4), last=False, flops_per_second=1e9)
+    light_time = light.duration("forward", 8) + light.duration("backward", 8)
+    assert p4.time["pp_bubble"] == pytest.approx(light_time * 3 / 4)
+    assert p4.time["pp_bubble"] < 3 / 4 * p4.time["compute"]
