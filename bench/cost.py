@@ -15,8 +15,11 @@ Sections, each a function printing one table:
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
   measured here and emulated devices, then run with the combining chapter's code:
   measured / predicted per layout, with the measured link and with an emulated slow one
-  (``SlowLink``). The link is fitted to all-reduces each timed after a short sleep, as the
-  paced layers issue them (``--link fit``: the launching chapter's saved fit instead). The
+  (``SlowLink``). The prediction charges the output layer as the course's code runs it (whole
+  on every tensor-parallel rank of the last stage). The link is fitted to all-reduces each
+  timed after a short sleep, as the paced layers issue them, per size the mean over rounds
+  of the slowest rank (a step pays every call, the long ones too); ``--link fit``: the
+  launching chapter's saved fit instead. The
   emulated device runs at the tiny model's one-thread rate (median of
   ``--rate-repeats`` steps, spread printed) / ``--slowdown``; the slow link moves a byte in
   the time of ``--flops-per-byte`` emulated FLOPs, so its weight against compute does not
@@ -109,7 +112,9 @@ def layouts_section(args: argparse.Namespace) -> None:
     print(f"\nlayouts: {_load()}")
     if args.link == "paced":  # all-reduces timed as the paced layers issue them
         fit = L.paced_link_fit(parlib.launch, 4, timeout=300)
-        source = f"all-reduces each after a {L.PAUSE * 1e3:g} ms pause, as the layers issue them"
+        source = (f"all-reduces each after a {L.PAUSE * 1e3:g} ms pause, as the layers issue "
+                  f"them, mean of {L.PACED_ROUNDS} rounds (spread per size "
+                  + ", ".join(f"{x:.0%}" for x in fit.spread) + ")")
     else:
         fit, source = load_or_measure(4, launch=parlib.launch)
     one_thread = L.measure_rate(repeats=args.rate_repeats)
@@ -140,6 +145,10 @@ def layouts_section(args: argparse.Namespace) -> None:
         print(L.table(predicted, rows))
         print("\nwhere the step goes:")
         print(L.parts_table(predicted, rows))
+        tp = [(r["layout"], r["parts"]["tp"] / e.time["tp_comm"]) for e, r in zip(predicted, rows)
+              if e.time["tp_comm"] > 0]
+        print("tensor-parallel all-reduces, measured / predicted: "
+              + ", ".join(f"{name} {x:.2f}" for name, x in tp))
         sent = [sum(e.bytes_sent.values()) for e in predicted]
         fewest = min(range(len(sent)), key=sent.__getitem__)
         measured_order = L.rank_order([r["step_time"] for r in rows])

@@ -207,7 +207,7 @@ class Estimate:
 def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
              global_batch: int, zero: int = 0, recompute: bool | str = False, v: int = 1,
              sequence_parallel: bool = True, mixed_precision: bool = True,
-             dp_overlap: bool = True) -> Estimate:
+             dp_overlap: bool = True, replicated_head: bool = False) -> Estimate:
     """Predict one layout, e.g. ``Layout(dp=8, tp=8)`` (a mapping of axis sizes is taken as
     one): m microbatches per step per data-parallel rank, ``global_batch`` sequences per
     step, v model chunks per pipeline rank (v > 1: the interleaved schedule).
@@ -217,6 +217,13 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     (16 bytes per parameter); False is fp32 throughout, as the course's CPU runs.
     ``dp_overlap=False``: the gradient sync starts after the whole backward (nothing
     hidden), as the combining chapter's ``train_step_3d`` does.
+    ``replicated_head=True``: the embedding and the output layer are not split by tensor
+    parallelism (every tensor-parallel rank holds them whole and computes the whole output
+    layer, on the last pipeline stage only), as the course's own tensor-parallel and
+    pipeline code runs them: compute is the busiest stage's, and the pipeline's bubble
+    (fill and drain through the other stages) is charged at the other stages' mean compute.
+    The default spreads the output layer's FLOPs evenly over the devices (a
+    vocabulary-parallel head) and splits its weights t ways.
     Raises ValueError naming the problem for a layout that cannot exist.
     """
     check_inputs(model, hardware)
@@ -229,7 +236,8 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     if not any(recompute is r for r in RECOMPUTE):
         raise ValueError(f"recompute must be False, 'selective' or True, got {recompute!r}")
     est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
-                    sequence_parallel, mixed_precision, dp_overlap)
+                    sequence_parallel, mixed_precision, dp_overlap,
+                    replicated_head=replicated_head)
     est.reason = est.describe()
     return est
 
@@ -290,7 +298,7 @@ def check_inputs(model: Model, hardware: Hardware) -> None:
 def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
               mixed_precision: bool, dp_overlap: bool = True,
-              only_if_fits: bool = False) -> Estimate | None:
+              only_if_fits: bool = False, replicated_head: bool = False) -> Estimate | None:
     """The estimate, inputs already checked (the planner calls this directly, with
     ``only_if_fits``: None, before any time is worked out, when the memory does not fit)."""
     s, h, L = model.seq_len, model.d_model, model.n_layers
@@ -312,17 +320,20 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     per_stage = _stage_layers(L, p, v)
     slowest = max(per_stage)
     tied_copy = model.vocab_size * h if model.tied_embeddings and p > 1 else 0
+    # the embedding and output layer's parameters: split t ways, or whole on every tp rank
+    ends = t if replicated_head else 1
     if p == 1:
-        stages = {"only": (L, L, L * dense_layer + model.embedding_params
-                           + model.head_params)}
+        stages = {"only": (L, L, L * dense_layer + ends * (model.embedding_params
+                                                           + model.head_params))}
     else:
         # (layers, layers' worth of activations held, parameters); the first stage holds the
         # most microbatches in flight, stage i of 1F1B min(m, p - i), the last one
         first = per_stage[0]
         stages = {"first": (first, in_flight_microbatches(p, m, v) * first / v,
-                            first * dense_layer + model.embedding_params),
+                            first * dense_layer + ends * model.embedding_params),
                   "last": (per_stage[-1], per_stage[-1],
-                           per_stage[-1] * dense_layer + model.head_params + tied_copy)}
+                           per_stage[-1] * dense_layer
+                           + ends * (model.head_params + tied_copy))}
         if L % (p * v):  # uneven: a middle stage may hold more layers than the first
             fullest = next((i for i in range(1, p - 1) if per_stage[i] == slowest), None)
             for i in {1, fullest} - {None}:
@@ -383,8 +394,17 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     imbalance = slowest * p / L
     layer_rate, head_rate = _matmul_rates(model, b * s_local, t, c, e,
                                           hardware.multiprocessors)
-    compute = ((hardware_flops - head_flops) * imbalance / layer_rate
-               + head_flops / head_rate) / n / hardware.achievable_flops
+    stage_compute: list[float] = []  # per stage, where the stages differ (replicated_head)
+    if replicated_head:  # the last stage's t ranks each compute the whole output layer
+        head_rate = _matmul_rates(model, b * s_local, 1, c, e, hardware.multiprocessors)[1]
+        layers_flops = (hardware_flops - head_flops) / L / (n / p)  # per layer, per device
+        stage_compute = [(layers * layers_flops / layer_rate
+                          + (head_flops * t * p / n / head_rate if i == p - 1 else 0.0))
+                         / hardware.achievable_flops for i, layers in enumerate(per_stage)]
+        compute = max(stage_compute)
+    else:
+        compute = ((hardware_flops - head_flops) * imbalance / layer_rate
+                   + head_flops / head_rate) / n / hardware.achievable_flops
 
     # ---- memory-bound operations: bytes over memory bandwidth, every layer, every microbatch
     moved = memory_bound_bytes_per_layer(
@@ -446,6 +466,9 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     if p > 1:
         f = bubble_fraction(p, m, v)
         pp_bubble = busy * f / (1 - f)
+        if stage_compute:  # the fill and drain pass through the other, lighter stages
+            others = sorted(stage_compute)[:-1]
+            pp_bubble = (busy - compute + sum(others) / len(others)) * f / (1 - f)
         boundary = boundary_bytes(b, s_local, h, act_bytes) / t
         slots = v * m + p - 1
         pp_send = 2 * slots * message_time(boundary, links["pp"].alpha, links["pp"].beta)

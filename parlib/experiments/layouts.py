@@ -252,15 +252,18 @@ def rank_time_layouts(layouts: Sequence[Run] = LAYOUTS, *,
 
 PACED_SIZES = tuple(2**k for k in range(10, 23, 3))  # 1 KiB to 4 MiB, as the quick fit
 PAUSE = 2e-3  # seconds each rank sleeps before a timed all-reduce
+# Timed calls per size: the calls' times have a long tail here (a rank descheduled by other
+# work), and a step pays every call's, so the fit takes their mean, which needs many.
+PACED_ROUNDS = 15
 
 
-def rank_time_paced_all_reduce(sizes_bytes: Sequence[int], *, rounds: int = 5,
-                               pause: float = PAUSE) -> tuple[list[float], str, str]:
+def rank_time_paced_all_reduce(sizes_bytes: Sequence[int], *, rounds: int = PACED_ROUNDS,
+                               pause: float = PAUSE) -> tuple[list[list[float]], str, str]:
     """Run on every rank: all-reduce times as a paced layer issues them. Each call follows a
     barrier and a ``pause``-second sleep, so every rank arrives woken from a sleep, as it
     does at a tensor-parallel all-reduce after its padded compute (the launching chapter's
     fit calls straight after the barrier). Sizes interleaved over ``rounds``. Returns this
-    rank's median seconds per size, the device and the backend."""
+    rank's seconds per size (one per round), the device and the backend."""
     if rounds < 1 or not pause >= 0:
         raise ValueError(f"need rounds >= 1 and pause >= 0 s, got {rounds!r}, {pause!r}")
     dev = this_device()
@@ -277,7 +280,7 @@ def rank_time_paced_all_reduce(sizes_bytes: Sequence[int], *, rounds: int = 5,
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             times[i].append(time.perf_counter() - start)
-    return [statistics.median(ts) for ts in times], str(dev), dist.get_backend()
+    return times, str(dev), dist.get_backend()
 
 
 # --------------------------------------------------------------------------- in the kernel
@@ -326,15 +329,31 @@ class MeasuredRate:
 
 
 def paced_link_fit(launch: Any, world_size: int, *, sizes: Sequence[int] = PACED_SIZES,
-                   rounds: int = 5, pause: float = PAUSE, **launch_kwargs: Any) -> LinkFit:
+                   rounds: int = PACED_ROUNDS, pause: float = PAUSE,
+                   **launch_kwargs: Any) -> LinkFit:
     """The link as the paced layers use it: :func:`rank_time_paced_all_reduce` on
-    ``world_size`` ranks (``launch`` is ``parlib.launch``), the slowest rank's median per
-    size, fitted to the alpha-beta line as the launching chapter fits it."""
+    ``world_size`` ranks (``launch`` is ``parlib.launch``); per size, the slowest rank's
+    time of each round, averaged over the rounds (a step pays the sum of its calls, long
+    ones included, so the mean, not the median), fitted to the alpha-beta line as the
+    launching chapter fits it. The fit's ``spread`` holds, per size, the interquartile
+    range of the rounds over their median."""
     results = launch(rank_time_paced_all_reduce, list(sizes), rounds=rounds, pause=pause,
                      world_size=world_size, **launch_kwargs)
-    slowest = [max(times) for times in zip(*(r[0] for r in results))]
+    per_size = zip(*(r[0] for r in results))  # per size: every rank's times by round
+    slowest = [[max(by_rank) for by_rank in zip(*ranks)] for ranks in per_size]
+    mean = [statistics.fmean(rounds_) for rounds_ in slowest]
+    spread = [_spread(rounds_) for rounds_ in slowest]
     _, dev, backend = results[0]
-    return fit_link(world_size, list(sizes), slowest, device=dev, backend=backend)
+    return fit_link(world_size, list(sizes), mean, spread=spread, device=dev,
+                    backend=backend)
+
+
+def _spread(samples: Sequence[float]) -> float:
+    """Interquartile range over the median (0 for fewer than two samples)."""
+    if len(samples) < 2:
+        return 0.0
+    q = statistics.quantiles(samples, n=4)
+    return (q[2] - q[0]) / statistics.median(samples)
 
 
 def measure_rate(cfg: ModelConfig | None = None, *, global_batch: int = 8, repeats: int = 21,
@@ -388,11 +407,14 @@ def slow_link_beta(flops_per_second: float,
 def predict(layouts: Sequence[Run], cluster: Hardware, *,
             cfg: ModelConfig | None = None, global_batch: int = 8) -> list[Estimate]:
     """The cost model's estimate of each layout as this experiment runs it: fp32, Adam,
-    no ZeRO, no recomputation, no sequence parallelism, the sync after backward."""
+    no ZeRO, no recomputation, no sequence parallelism, the sync after backward, and the
+    output layer as the course's code runs it: whole on every tensor-parallel rank of the
+    last stage (``replicated_head``), which the emulated device charges too."""
     model = Model.from_config(cfg or ModelConfig())
     return [estimate(model, cluster, run.layout, m=run.m,
                      global_batch=global_batch, mixed_precision=False,
-                     sequence_parallel=False, dp_overlap=False) for run in layouts]
+                     sequence_parallel=False, dp_overlap=False, replicated_head=True)
+            for run in layouts]
 
 
 def measured(results: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -490,6 +512,7 @@ def parts_table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -
 __all__ = [
     "LAYOUTS",
     "MeasuredRate",
+    "PACED_ROUNDS",
     "PACED_SIZES",
     "PAUSE",
     "Run",

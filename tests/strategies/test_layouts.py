@@ -11,7 +11,7 @@ import torch
 
 import parlib
 from parlib import verify
-from parlib.cost import Hardware, Layout, Link, Model
+from parlib.cost import Hardware, Layout, Link, Model, estimate
 from parlib.experiments import layouts as L
 from parlib.measure.emulation import PacedCost, StageCost
 from parlib.model import ModelConfig
@@ -168,14 +168,48 @@ def test_paced_link_fit_times_woken_all_reduces_and_fits_the_line():
         L.rank_time_paced_all_reduce([1024], rounds=0)
 
 
-def test_paced_link_fit_takes_the_slowest_rank_per_size():
+def test_paced_link_fit_averages_the_slowest_rank_of_each_round():
     sizes = (1000, 100_000, 1_000_000)
-    per_rank = [([1e-3, 2e-3, 5e-3], "cpu", "gloo"), ([1.5e-3, 1e-3, 6e-3], "cpu", "gloo")]
+    # per rank: per size, one time per round; a long call (4 ms) in one round
+    per_rank = [([[1e-3, 0.5e-3, 4e-3], [2e-3, 2e-3, 2e-3], [5e-3, 6e-3, 5e-3]], "cpu", "gloo"),
+                ([[0.5e-3, 1e-3, 1e-3], [1e-3, 3e-3, 1e-3], [6e-3, 5e-3, 7e-3]], "cpu", "gloo")]
 
     def fake_launch(fn, *args, world_size, **kwargs):
         assert fn is L.rank_time_paced_all_reduce and world_size == 2
         return per_rank
 
     fit = L.paced_link_fit(fake_launch, 2, sizes=sizes)
-    assert fit.seconds == [1.5e-3, 2e-3, 6e-3] and fit.sizes == list(sizes)
-    assert fit.b == pytest.approx((6e-3 - 1.5e-3) / (1_000_000 - 1000), rel=0.2)
+    # slowest per round (1, 1, 4), (2, 3, 2), (6, 6, 7) ms: their means, not their medians
+    assert fit.seconds == pytest.approx([2e-3, 7e-3 / 3, 19e-3 / 3])
+    assert fit.sizes == list(sizes) and len(fit.spread) == 3
+    assert fit.b == pytest.approx((19e-3 / 3 - 2e-3) / (1_000_000 - 1000), rel=0.2)
+
+
+def test_prediction_charges_the_output_layer_where_the_emulated_device_does():
+    # the course's tensor-parallel copy keeps the output layer whole on every tp rank of the
+    # last stage: the prediction's compute is the busiest rank's emulated compute
+    model = Model.from_config(ModelConfig())
+    cluster = Hardware.measured_here(4, allreduce_fit=(1e-3, 1e-9), fit_ranks=4,
+                                     flops_per_second=1e9)
+    for run, est in zip(L.LAYOUTS, L.predict(L.LAYOUTS, cluster)):
+        layout = run.layout
+        rows = 8 // layout.dp  # every microbatch of this dp rank
+        devices = [L.emulated_device(model, layout, last=last, flops_per_second=1e9)
+                   for last in (False, True)]  # a rank of an earlier stage, of the last
+        busiest = max(d.duration("forward", rows) + d.duration("backward", rows)
+                      for d in devices)
+        assert est.time["compute"] == pytest.approx(busiest), layout
+    # the cost model's general rule (a vocabulary-parallel head, spread evenly) is unchanged
+    # and differs here, where the head is 11% of a t = 4 rank's compute
+    general = estimate(model, cluster, Layout(tp=4), m=1, global_batch=8,
+                       mixed_precision=False, sequence_parallel=False, dp_overlap=False)
+    here = L.predict([L.Run(Layout(tp=4))], cluster)[0]
+    assert here.time["compute"] == pytest.approx(1.11 * general.time["compute"], rel=0.01)
+    assert here.memory["params"] > general.memory["params"]  # the head held whole
+    # a pipeline's fill and drain pass through the lighter stages: p = 4's bubble is the
+    # first stages' compute x (p - 1) / m, not the last stage's
+    p4 = L.predict([L.Run(Layout(pp=4), m=4)], cluster)[0]
+    light = L.emulated_device(model, Layout(pp=4), last=False, flops_per_second=1e9)
+    light_time = light.duration("forward", 8) + light.duration("backward", 8)
+    assert p4.time["pp_bubble"] == pytest.approx(light_time * 3 / 4)
+    assert p4.time["pp_bubble"] < 3 / 4 * p4.time["compute"]
