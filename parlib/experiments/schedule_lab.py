@@ -37,7 +37,7 @@ from parlib.experiments.simulate import simulate
 from parlib.measure.emulation import StageCost
 from parlib.measure.timeline import COMPUTE, Span, align, makespan, measured_bubble
 from parlib.model import ModelConfig
-from parlib.strategies.schedules import BACKWARD, FORWARD, WEIGHT, all_ranks, peaks
+from parlib.strategies.schedules import Op, all_ranks, peak_in_flight, peaks
 from parlib.verify import compare, reference_step
 
 LAB_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -94,22 +94,13 @@ def predict(name: str, p: int, m: int, batch: int, stage_cost: StageCost, *, v: 
 def measured_peak_in_flight(spans_by_rank: Sequence[Sequence[Span]]) -> dict[int, int]:
     """Most (microbatch, chunk) activations each rank held at once in a recorded step:
     held from the start of a forward span to the end of its backward span, or of its
-    weight span when the rank split its backward."""
+    weight span when the rank split its backward. A rank runs its ops one after another,
+    so the ops in the order they started give the schedule's own count
+    (:func:`~parlib.strategies.schedules.peak_in_flight`) of what ran."""
     out = {}
     for rank, spans in enumerate(spans_by_rank):
-        compute = [x for x in spans if x.kind in COMPUTE]
-        release = WEIGHT if any(x.kind == WEIGHT for x in compute) else BACKWARD
-        events = []
-        for x in compute:
-            if x.kind == FORWARD:
-                events.append((x.start, 1))
-            elif x.kind == release:
-                events.append((x.end, -1))
-        held = peak = 0
-        for _, step in sorted(events, key=lambda e: (e[0], e[1])):
-            held += step
-            peak = max(peak, held)
-        out[rank] = peak
+        ran = sorted((x for x in spans if x.kind in COMPUTE), key=lambda x: x.start)
+        out[rank] = peak_in_flight([Op(x.kind, x.mb, x.chunk) for x in ran])
     return out
 
 
