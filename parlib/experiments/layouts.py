@@ -36,7 +36,7 @@ from parlib.cost.model import BACKWARD_PER_FORWARD
 from parlib.experiments.combined import axis_traffic, stage_split_dims
 from parlib.experiments.pipeline import MeasuringHooks
 from parlib.measure.emulation import OVERRUN_SLACK, PacedCost, SlowLink, StageCost
-from parlib.measure.links import LinkFit, fit_link
+from parlib.measure.links import LinkFit, fit_link, timed_all_reduces
 from parlib.measure.memory import SavedActivations, grad_bytes, optimizer_state_bytes, param_bytes
 from parlib.measure.timeline import Recorder
 from parlib.model import ModelConfig, build_model, make_batch, train_step
@@ -267,19 +267,7 @@ def rank_time_paced_all_reduce(sizes_bytes: Sequence[int], *, rounds: int = PACE
     if rounds < 1 or not pause >= 0:
         raise ValueError(f"need rounds >= 1 and pause >= 0 s, got {rounds!r}, {pause!r}")
     dev = this_device()
-    tensors = [torch.ones(max(1, n // 4), device=dev) for n in sizes_bytes]
-    for t in tensors:  # warm-up: connections, buffers
-        dist.all_reduce(t)
-    times: list[list[float]] = [[] for _ in tensors]
-    for _ in range(rounds):
-        for i, t in enumerate(tensors):
-            dist.barrier()
-            time.sleep(pause)
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            times[i].append(time.perf_counter() - start)
+    times = timed_all_reduces(sizes_bytes, dev, rounds=rounds, pause=pause)
     return times, str(dev), dist.get_backend()
 
 

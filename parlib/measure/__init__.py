@@ -43,7 +43,7 @@ _WHERE = {
     "default_cost": "emulation",
     "LinkFit": "links", "fit_link": "links", "load_link": "links", "save_links": "links",
     "load_or_measure": "links",
-    "time_all_reduce": "links",
+    "time_all_reduce": "links", "timed_all_reduces": "links",
     "MatmulRate": "matmul_rate", "load_matmul_rate": "matmul_rate",
     "matmul_flops": "matmul_rate", "measure_matmul_rate": "matmul_rate",
     "save_matmul_rate": "matmul_rate",

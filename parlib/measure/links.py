@@ -17,7 +17,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,11 +67,34 @@ class LinkFit:
         return bus_bandwidth(self.sizes[i], self.seconds[i], self.n)
 
 
+def timed_all_reduces(sizes_bytes: Sequence[int], device: torch.device, *, rounds: int,
+                      per_round: int = 1, pause: float = 0.0) -> list[list[float]]:
+    """On every rank of a group: the seconds of each timed ``dist.all_reduce`` per size, sizes
+    interleaved in ``rounds`` (so a busy moment on the machine hits every size alike),
+    ``per_round`` calls per size per round, all ranks lined up at a barrier before each call
+    and then sleeping ``pause`` seconds (0: none) before it starts."""
+    tensors = [torch.ones(max(1, n // 4), device=device) for n in sizes_bytes]
+    for t in tensors:  # warm-up: connections, buffers
+        dist.all_reduce(t)
+    times: list[list[float]] = [[] for _ in sizes_bytes]
+    for _ in range(rounds):
+        for i, t in enumerate(tensors):
+            for _ in range(per_round):
+                dist.barrier()
+                if pause:
+                    time.sleep(pause)
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[i].append(time.perf_counter() - t0)
+    return times
+
+
 def time_all_reduce(sizes_bytes: list[int], rounds: int = 7, per_round: int = 2
                     ) -> tuple[list[float], list[float], str, str]:
-    """On every rank of a group: time ``dist.all_reduce`` at each size, sizes interleaved in
-    ``rounds`` (so a busy moment on the machine hits every size alike), ``per_round`` calls
-    per size per round, all ranks lined up at a barrier before each call.
+    """On every rank of a group: time ``dist.all_reduce`` at each size
+    (:func:`timed_all_reduces`, no pause).
 
     Returns (median seconds per size, interquartile range / median per size, device,
     backend). Rank 0's clock; every rank returns its own.
@@ -81,19 +104,7 @@ def time_all_reduce(sizes_bytes: list[int], rounds: int = 7, per_round: int = 2
     # NCCL moves GPU tensors (each rank's current GPU); gloo, here, CPU tensors.
     on_gpu = dist.get_backend() == "nccl"
     dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    tensors = [torch.ones(max(1, n // 4), device=dev) for n in sizes_bytes]
-    for t in tensors:  # warm-up: connections, buffers
-        dist.all_reduce(t)
-    times: list[list[float]] = [[] for _ in sizes_bytes]
-    for _ in range(rounds):
-        for i, t in enumerate(tensors):
-            for _ in range(per_round):
-                dist.barrier()
-                t0 = time.perf_counter()
-                dist.all_reduce(t)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                times[i].append(time.perf_counter() - t0)
+    times = timed_all_reduces(sizes_bytes, dev, rounds=rounds, per_round=per_round)
     medians = [statistics.median(ts) for ts in times]
     iqr = []
     for ts, med in zip(times, medians):
@@ -156,4 +167,4 @@ def load_or_measure(n: int, *, launch: Callable[..., list[Any]], backend: str | 
 
 
 __all__ = ["LinkFit", "cache_dir", "fit_link", "load_link", "load_or_measure", "save_links",
-           "time_all_reduce"]
+           "time_all_reduce", "timed_all_reduces"]
