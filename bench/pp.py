@@ -7,10 +7,14 @@ of the interleaved schedule's v chunks costs 1/v of that, and ZB-H1's B and W sh
 backward (``--weight-share`` for W). The batch B is the same for every m. The theory
 (parlib.cost.schedule_step_time) is each schedule's compute, e.g. (m + p - 1)(B/m c + o)
 for GPipe and 1F1B, plus every boundary crossing on the critical path (a header and a
-payload message, each alpha + beta x bytes with the link's fitted alpha and beta:
-parlib.measure.links, the launching chapter's fit or a quick one made now), plus the time
-each rank spends in its own sends and receives, serial with its compute (one crossing's
-time each: a receive and a send per op inside the pipeline), which grows with the ops. Gradients are
+payload in flight together, alpha + beta x bytes), plus the time each rank spends in its
+own sends and receives, serial with its compute (a receive and a send per op inside the
+pipeline), which grows with the ops, and each emulated op's overrun (its sleep wakes a
+little late). The message times are measured first, point to point in the runner's own
+pattern (parlib.measure.crossings; the launching chapter's all-reduce fit prices a ring
+step, not a crossing whose receive was posted early, and its alpha swung 0.27-1.17 ms
+between quick fits here), and the overrun in this process
+(parlib.experiments.pipeline.emulated_overrun). Gradients are
 checked against the single-device model first; each row is the median of the repeats after
 one warm-up step, with the fastest and slowest repeat; messages are the send spans the
 runner recorded, against parlib.cost.messages_per_rank; "late ops" are the ops whose real
@@ -27,17 +31,20 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import parlib
 from parlib import cost, verify
 from parlib.experiments import pipeline as pp_runs
 from parlib.experiments.schedule_lab import (
+    lab_config,
     measured_messages,
+    message_costs,
     predict,
     schedule_label,
 )
+from parlib.measure.crossings import measure_crossings
 from parlib.measure.emulation import StageCost
-from parlib.measure.links import load_or_measure
 from parlib.measure.timeline import align, makespan, measured_bubble
 from parlib.model import ModelConfig
 from parlib.plots import run_label
@@ -66,11 +73,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--repeats must be >= 1")
 
     t_start = time.perf_counter()
-    # Interleaving cuts the model into p x v chunks: every schedule runs that same model.
-    n_layers = args.p * (args.v if "interleaved" in args.schedules else 1)
-    cfg = ModelConfig(n_layers=max(n_layers, ModelConfig().n_layers))
+    # Interleaving cuts the model into p x v chunks: every schedule runs that same model,
+    # the lab's small one (its real compute stays well inside the emulated op times).
+    cfg = lab_config(args.p, args.v if "interleaved" in args.schedules else 1)
+    if cfg.n_layers < ModelConfig().n_layers:
+        cfg = replace(cfg, n_layers=ModelConfig().n_layers)
     stage_cost = StageCost(args.t_f, args.t_b, args.t_call)
-    link, source = load_or_measure(2, launch=parlib.launch, backend="gloo")
+    # priced at this bench's shortest ops: a receiver wakes more slowly after a longer wait
+    shortest = args.batch // max(args.ms)
+    crossing = measure_crossings(launch=parlib.launch, backend="gloo",
+                                 op_seconds=stage_cost.duration("forward", shortest))
+    overrun = pp_runs.emulated_overrun(stage_cost, shortest)
     ref = verify.reference_step(cfg, seed=0, batch_size=args.batch)
     rows, skipped = [], []
     label = None
@@ -82,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             v = args.v if name == "interleaved" else 1
             payload = cost.boundary_bytes(args.batch // m, cfg.seq_len, cfg.d_model)
-            t_cross = cost.crossing_time(payload, link.alpha, link.beta)
             pred = predict(name, args.p, m, args.batch, stage_cost, v=args.v,
-                           weight_share=args.weight_share, t_cross=t_cross)
+                           weight_share=args.weight_share,
+                           **message_costs(crossing, payload, overrun))
             res = pp_runs.run_pipeline(cfg, name, args.p, m, v=v, timeout=300,
                                        batch_size=args.batch, cost=stage_cost,
                                        repeats=args.repeats, weight_share=args.weight_share)
@@ -110,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.n_layers} blocks")
     print(stage_cost.describe() + f"; interleaved v = {args.v}, ZB-H1 W = "
           f"{args.weight_share:g} of the backward")
-    print(f"link: alpha {link.alpha * 1e6:.0f} us, beta {link.beta * 1e9:.3f} ns/B ({source}); "
-          f"a crossing is a {cost.HEADER_BYTES} B header + the payload")
+    print(crossing.describe() + f"; a crossing is a {cost.HEADER_BYTES} B header + the payload")
+    print(f"an emulated op overruns its due time by {overrun * 1e6:.0f} us (its sleep wakes late, "
+          f"the hooks record it; measured now)")
     print(f"median of {args.repeats} after 1 warm-up step (fastest-slowest); theory = compute "
-          f"+ crossings on the critical path + each op's own receive and send (the (msgs) "
-          f"column: both); late ops: ops of the median step that outlast "
+          f"(each op + its overrun) + crossings on the critical path + each op's own receive "
+          f"and send (the (msgs) column: both); late ops: ops of the median step that outlast "
           f"their emulated time by over 1 ms (real compute overran: a loaded machine)")
     print(f"{'schedule':<16}{'m':>3}{'theory ms':>11}{'(msgs)':>8}{'measured ms':>13}"
           f"{'(min-max)':>13}{'ratio':>7}{'bubble':>8}{'theory':>8}{'sends':>7}{'theory':>8}"

@@ -171,8 +171,8 @@ def critical_path_messages(name: str, p: int, m: int, v: int = 1) -> int:
     * ZB-H1: 1F1B's count, but at most 4(p - 1): the deferred W ops fill the waits of the
       steady state, so once m > p no more crossings are added.
 
-    Each crossing in the runner is a header and then the payload, received one after the
-    other: charge :func:`crossing_time` per crossing.
+    Each crossing in the runner is a header and the payload, in flight together: charge
+    :func:`crossing_time` per crossing.
     """
     _check_schedule(name, p, m, v)
     if name == "gpipe":
@@ -187,11 +187,13 @@ def critical_path_messages(name: str, p: int, m: int, v: int = 1) -> int:
 
 def crossing_time(payload_bytes: float, alpha: float, beta: float,
                   header_bytes: float = HEADER_BYTES) -> float:
-    """Time one boundary crossing of the runner takes: its header message then its payload
-    message, each alpha + beta x bytes (the launching chapter's model, ``message_time``)."""
+    """Time one boundary crossing of the runner takes: its header and its payload travel
+    together (the receiver posts both receives an op ahead, the sender sends both at once),
+    so one message time of their bytes, alpha + beta x (header + payload) (the launching
+    chapter's model, ``message_time``)."""
     if payload_bytes < 0 or alpha < 0 or beta < 0:
         raise ValueError(f"need bytes, alpha, beta >= 0, got {payload_bytes}, {alpha}, {beta}")
-    return message_time(header_bytes, alpha, beta) + message_time(payload_bytes, alpha, beta)
+    return message_time(header_bytes + payload_bytes, alpha, beta)
 
 
 def schedule_compute_time(name: str, p: int, m: int, t_f: float, t_b: float,
@@ -236,10 +238,11 @@ def schedule_step_time(name: str, p: int, m: int, t_f: float, t_b: float, t_w: f
     surface).
 
     ``t_local``: the time a rank itself spends in each send or receive, serial with its
-    compute (a receive copies the message in, a send hands it to the transport). Each F and
-    B op then takes :func:`messages_per_op` x t_local longer (the busiest ranks' ops, which
-    set the pace), so this part grows with the number of ops: (m + p - 1) slots of 2 x 2
-    messages for GPipe and 1F1B. Default 0: messages cost latency only."""
+    compute (a receive is posted and collected, a send hands the message to the
+    transport). Each F and B op then takes :func:`messages_per_op` x t_local longer (the
+    busiest ranks' ops, which set the pace), so this part grows with the number of ops:
+    (m + p - 1) slots of 2 x 2 messages for GPipe and 1F1B. Default 0: messages cost
+    latency only."""
     if t_cross < 0 or t_local < 0:
         raise ValueError(f"t_cross and t_local must be >= 0, got {t_cross}, {t_local}")
     extra = messages_per_op(p, v) * t_local

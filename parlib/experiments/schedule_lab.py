@@ -34,6 +34,7 @@ from typing import Any
 from parlib import cost as formulas
 from parlib.experiments import pipeline as pp_runs
 from parlib.experiments.simulate import simulate
+from parlib.measure.crossings import CrossingFit
 from parlib.measure.emulation import StageCost
 from parlib.measure.timeline import COMPUTE, Span, align, makespan, measured_bubble
 from parlib.model import ModelConfig
@@ -52,9 +53,10 @@ def schedule_label(name: str, v: int = 2) -> str:
 
 @dataclass
 class Prediction:
-    """What the formulas say for one schedule: the op times (s), the time of a boundary
-    crossing and of a rank's own part of a message (s), the step time (s) and its message
-    part, the bubble, peak in-flight activations and messages per rank."""
+    """What the formulas say for one schedule: the op times (s, each with the emulation's
+    slack), the time of a boundary crossing and of a rank's own part of a message (s), the
+    step time (s) and its message part, the bubble, peak in-flight activations and messages
+    per rank."""
 
     t_f: float
     t_b: float
@@ -68,19 +70,33 @@ class Prediction:
     messages: dict[int, int]
 
 
+def message_costs(fit: CrossingFit, payload_bytes: float,
+                  overrun: float = 0.0) -> dict[str, float]:
+    """The measured crossing ``fit`` (:func:`parlib.measure.crossings.measure_crossings`) as
+    :func:`predict` takes it for a payload of this size: ``t_cross`` (the latency) and
+    ``t_local`` (a rank's own time per message), with ``t_slack`` = ``overrun``, an
+    emulated op's measured overrun (:func:`parlib.experiments.pipeline.emulated_overrun`)."""
+    return {"t_cross": fit.latency(payload_bytes), "t_local": fit.own_time(payload_bytes),
+            "t_slack": overrun}
+
+
 def predict(name: str, p: int, m: int, batch: int, stage_cost: StageCost, *, v: int = 2,
             weight_share: float = 0.5, t_cross: float = 0.0,
-            t_local: float | None = None) -> Prediction:
+            t_local: float | None = None, t_slack: float = 0.0) -> Prediction:
     """The formulas' numbers for ``name`` on p ranks, m microbatches of a ``batch``-row
     batch, under ``stage_cost`` (v chunks for the interleaved schedule; ``weight_share`` of
-    ZB-H1's backward is W), each boundary crossing taking ``t_cross`` seconds and each send
-    or receive ``t_local`` seconds of the rank's own time (default: t_cross; measured here
-    with gloo on the CPU, a receive of a header and payload already sent took 0.37 ms and a
-    send 0.16 ms against a 0.28 ms crossing)."""
+    ZB-H1's backward is W), each boundary crossing taking ``t_cross`` seconds, each send
+    or receive ``t_local`` seconds of the rank's own time (default: t_cross) and each
+    emulated op ``t_slack`` seconds more than its due time (:func:`message_costs` gives
+    all three from a measured crossing)."""
     vv = v if name == "interleaved" else 1
     share = weight_share if name == "zb-h1" else 0.0
     t_f, t_b, t_w = formulas.op_times(batch, m, stage_cost.forward, stage_cost.backward,
                                       stage_cost.per_call, vv, share)
+    if t_slack < 0:
+        raise ValueError(f"t_slack must be >= 0, got {t_slack}")
+    t_f, t_b = t_f + t_slack, t_b + t_slack
+    t_w = t_w + t_slack if t_w else 0.0
     t_local = t_cross if t_local is None else t_local
     step = formulas.schedule_step_time(name, p, m, t_f, t_b, t_w, vv, t_cross, t_local)
     compute = formulas.schedule_compute_time(name, p, m, t_f, t_b, t_w, vv)
@@ -161,9 +177,14 @@ class LabRun:
         return self.step / self.prediction.step
 
 
-def lab_config(p: int, v: int = 2) -> ModelConfig:
-    """The model the lab runs: p x v blocks, so every rank holds v chunks of one block."""
-    return ModelConfig(n_layers=p * v)
+def lab_config(p: int, v: int = 2, *, seq_len: int = 32, d_model: int = 64) -> ModelConfig:
+    """The model the lab runs: p x v blocks, so every rank holds v chunks of one block, and
+    narrower and shorter than the course's default (s = 32, h = 64), so that its real
+    compute stays a small part of each emulated op: on two cores shared by four ranks, the
+    default model's real backward took about a sixth of its emulated time, and ranks
+    computing at once delayed each other's messages (bench/pp.py's worst ratio to theory
+    1.09-1.10 with it here, 1.03-1.05 with this one)."""
+    return ModelConfig(n_layers=p * v, seq_len=seq_len, d_model=d_model)
 
 
 def run_schedule_lab(
@@ -177,6 +198,7 @@ def run_schedule_lab(
     weight_share: float = 0.5,
     alpha: float = 0.0,
     beta: float = 0.0,
+    crossings: CrossingFit | None = None,
     repeats: int = 3,
     cfg: ModelConfig | None = None,
     timeout: float = 300.0,
@@ -184,19 +206,29 @@ def run_schedule_lab(
     """Run each of ``schedules`` on p ranks (m microbatches of a ``batch``-row batch, the
     emulated ``stage_cost``, v chunks for the interleaved one, ``weight_share`` of ZB-H1's
     backward as W) ``repeats`` times after one warm-up step; raise ``AssertionError`` if its
-    gradients differ from the single-device model's. ``alpha`` (s) and ``beta`` (s/byte):
-    the link's alpha-beta fit (:func:`parlib.measure.links.load_or_measure`), which prices
-    the messages in the prediction and the simulation. Returns one :class:`LabRun` each.
-    A schedule that cannot run with these numbers (interleaved with m not a multiple of p,
-    an unknown name) raises ``ValueError`` before any rank starts."""
+    gradients differ from the single-device model's. ``crossings``: a crossing measured
+    with :func:`parlib.measure.crossings.measure_crossings`, which prices the messages in
+    the prediction and the simulation (its latency and each rank's own time per message,
+    with the emulated ops' overrun measured now,
+    :func:`parlib.experiments.pipeline.emulated_overrun`); without it, ``alpha`` (s) and
+    ``beta`` (s/byte) of a link fit price each crossing and each rank's own part of a
+    message alike. Returns one
+    :class:`LabRun` each. A schedule that cannot run with these numbers (interleaved with m
+    not a multiple of p, an unknown name) raises ``ValueError`` before any rank starts."""
     cfg = cfg or lab_config(p, v)
     payload = formulas.boundary_bytes(batch // m, cfg.seq_len, cfg.d_model)
-    t_cross = formulas.crossing_time(payload, alpha, beta) if alpha or beta else 0.0
+    if crossings is not None:
+        overrun = (pp_runs.emulated_overrun(stage_cost, batch // m)
+                   if isinstance(stage_cost, StageCost) else 0.0)
+        priced = message_costs(crossings, payload, overrun)
+    else:
+        priced = {"t_cross": formulas.crossing_time(payload, alpha, beta)
+                  if alpha or beta else 0.0}
     ref = reference_step(cfg, seed=0, batch_size=batch)
     out = []
     for name in schedules:
         pred = predict(name, p, m, batch, stage_cost, v=v, weight_share=weight_share,
-                       t_cross=t_cross)
+                       **priced)
         vv = v if name == "interleaved" else 1
         res = pp_runs.run_pipeline(cfg, name, p, m, v=vv, timeout=timeout, batch_size=batch,
                                    cost=stage_cost, repeats=repeats,
@@ -213,7 +245,7 @@ def run_schedule_lab(
         extra = formulas.messages_per_op(p, vv) * pred.t_local
         t_f, t_b = pred.t_f + extra, pred.t_b + extra
         sim = simulate(name, p, m, v=vv, t_f=t_f * vv, t_b=(t_b + pred.t_w) * vv,
-                       t_w=pred.t_w * vv if pred.t_w else None, t_comm=t_cross)
+                       t_w=pred.t_w * vv if pred.t_w else None, t_comm=pred.t_cross)
         out.append(LabRun(name, p, m, vv, runs[len(runs) // 2], sim, steps, pred, str(same),
                           res[0]["device"], res[0]["backend"]))
     return out
@@ -264,4 +296,4 @@ def format_lab_table(runs: Sequence[LabRun]) -> str:
 
 __all__ = ["DEFAULT_COST", "LAB_SCHEDULES", "LabRun", "Prediction", "format_lab_table",
            "lab_config", "lab_table", "measured_messages", "measured_peak_in_flight",
-           "predict", "run_schedule_lab", "schedule_label"]
+           "message_costs", "predict", "run_schedule_lab", "schedule_label"]

@@ -17,6 +17,8 @@
   the third view), labelled as such.
 - :mod:`~parlib.measure.links`: the all-reduce alpha-beta fit the launching chapter saves and later
   chapters read (:func:`load_link`).
+- :mod:`~parlib.measure.crossings`: a pipeline boundary crossing timed the way the runner
+  pays it (:func:`measure_crossings`: latency, each rank's own time, an emulated op's slack).
 - :mod:`~parlib.measure.matmul_rate`: the best matmul FLOP/s over a sweep of shapes, saved
   and read back the same way (:func:`measure_matmul_rate`, :func:`load_matmul_rate`).
 
@@ -44,6 +46,8 @@ _WHERE = {
     "LinkFit": "links", "fit_link": "links", "load_link": "links", "save_links": "links",
     "load_or_measure": "links",
     "time_all_reduce": "links", "timed_all_reduces": "links",
+    "CrossingFit": "crossings", "measure_crossings": "crossings",
+    "time_crossings": "crossings",
     "MatmulRate": "matmul_rate", "load_matmul_rate": "matmul_rate",
     "matmul_flops": "matmul_rate", "measure_matmul_rate": "matmul_rate",
     "save_matmul_rate": "matmul_rate",

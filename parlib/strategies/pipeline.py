@@ -17,14 +17,16 @@ The neighbours are global ranks carried by the stage (``stage.prev_rank`` /
   uses it to record a timeline, count bytes and saved activations, and pad compute to an
   emulated cost); without one the step is plain torch.
 
-Messages: sends use ``dist.isend`` (waited for at the end of the step) and receives a
-blocking ``dist.recv``, in the order the schedule gives. With a blocking ``dist.send``
-1F1B can deadlock: a rank sending its next activation and its neighbour sending a
-gradient back both wait for a recv that comes after the other's send (gloo blocks on
-large messages: measured with 16 MB both ways here). Every payload follows a small header
-(kind, microbatch, chunk): two neighbours whose schedules order the microbatches
-differently would otherwise pair one microbatch's activation with another's and train on
-the mix without a word; the header turns that into an error naming both. The header's
+Messages: sends use ``dist.isend`` (waited for at the end of the step) and receives
+``dist.irecv``, posted one op ahead so that a message travels while its receiver still
+computes (posted only when needed, each receive waits a round trip to its sender, even for
+a message sent long before) and waited for in the order the schedule gives. With a
+blocking ``dist.send`` 1F1B can deadlock: a rank sending its next activation and its
+neighbour sending a gradient back both wait for a recv that comes after the other's send
+(gloo blocks on large messages: measured with 16 MB both ways here). Every payload
+follows a small header (kind, microbatch, chunk): two neighbours whose schedules order the
+microbatches differently would otherwise pair one microbatch's activation with another's
+and train on the mix without a word; the header turns that into an error naming both. The header's
 chunk is the receiver's (the chunk whose op consumes the payload).
 
 Split backward (a schedule with W ops): B computes only the gradient of the stage's input
@@ -267,6 +269,7 @@ class PipelineHooks:
 
 
 _KIND_CODE = {FORWARD: 0, BACKWARD: 1}  # header: which way the payload travels
+_HEADER_TAG, _PAYLOAD_TAG = 0, 1  # own tags: a header never pairs with a payload
 _WHAT = {FORWARD: "activation", BACKWARD: "gradient"}
 
 
@@ -344,42 +347,72 @@ def run_schedule(
             if alone:
                 to_self.append((header, t.clone()))
                 return
-            pending.append((dist.isend(header, dst), header))
-            pending.append((dist.isend(t, dst), t))
+            pending.append((dist.isend(header, dst, tag=_HEADER_TAG), header))
+            pending.append((dist.isend(t, dst, tag=_PAYLOAD_TAG), t))
 
-    def recv(src: int, op: Op, st: Stage) -> torch.Tensor:
+    def source(op: Op) -> int | None:
+        """The rank whose message op needs before it can run (None: no message)."""
+        st = chunks[op.chunk]
+        if op.kind == FORWARD and not st.is_first:
+            return st.prev_rank
+        if op.kind == BACKWARD and not st.is_last:
+            return st.next_rank
+        return None
+
+    # Receives are posted one op ahead: the next op's input travels while this op computes.
+    posted: dict[int, tuple[torch.Tensor, torch.Tensor, Any, Any]] = {}
+
+    def post(index: int) -> None:
+        if alone or index >= len(ops) or index in posted:
+            return
+        src = source(ops[index])
+        if src is None:
+            return
         header = torch.empty(3, dtype=torch.int64, device=device)
         buf = torch.empty(shape, device=device)
+        posted[index] = (header, buf, dist.irecv(header, src, tag=_HEADER_TAG),
+                         dist.irecv(buf, src, tag=_PAYLOAD_TAG))
+
+    def recv(index: int, op: Op, st: Stage) -> torch.Tensor:
+        src = source(op)
+        assert src is not None
+        if alone:
+            if not to_self:
+                raise RuntimeError(f"op {op!r} waits for a message this rank never sent "
+                                   f"itself (a deadlock: validate the schedule)")
+            header, buf = to_self.popleft()
+            with hooks.message("recv", src, buf, op.mb):
+                check(header, src, op, st)
+            return buf
+        post(index)
+        header, buf, header_work, payload_work = posted.pop(index)
         with hooks.message("recv", src, buf, op.mb):
-            if alone:
-                if not to_self:
-                    raise RuntimeError(f"op {op!r} waits for a message this rank never sent "
-                                       f"itself (a deadlock: validate the schedule)")
-                header, buf = to_self.popleft()
-            else:
-                dist.recv(header, src)
-            kind, mb, chunk = header.tolist()
-            if (kind, mb, chunk) != (_KIND_CODE[op.kind], op.mb, op.chunk):
-                sent = f"{_WHAT[FORWARD if kind == 0 else BACKWARD]} of microbatch {mb}"
-                me = dist.get_rank() if dist.is_initialized() else 0
-                raise RuntimeError(
-                    f"rank {me} (stage {st.rank}) at op {op!r} expected the "
-                    f"{_WHAT[op.kind]} of microbatch {op.mb} from rank {src}, but rank {src} "
-                    f"sent the {sent}"
-                    + (f" (for chunk {chunk})" if chunk or op.chunk else "")
-                    + ": the two stages' schedules order the microbatches differently; "
-                    "neighbouring stages must run their forwards (and backwards) in the "
-                    "same microbatch order")
-            if not alone:
-                dist.recv(buf, src)
+            header_work.wait()
+            check(header, src, op, st)
+            payload_work.wait()
         return buf
 
-    for op in ops:
+    def check(header: torch.Tensor, src: int, op: Op, st: Stage) -> None:
+        kind, mb, chunk = header.tolist()
+        if (kind, mb, chunk) != (_KIND_CODE[op.kind], op.mb, op.chunk):
+            sent = f"{_WHAT[FORWARD if kind == 0 else BACKWARD]} of microbatch {mb}"
+            me = dist.get_rank() if dist.is_initialized() else 0
+            raise RuntimeError(
+                f"rank {me} (stage {st.rank}) at op {op!r} expected the "
+                f"{_WHAT[op.kind]} of microbatch {op.mb} from rank {src}, but rank {src} "
+                f"sent the {sent}"
+                + (f" (for chunk {chunk})" if chunk or op.chunk else "")
+                + ": the two stages' schedules order the microbatches differently; "
+                "neighbouring stages must run their forwards (and backwards) in the "
+                "same microbatch order")
+
+    for index, op in enumerate(ops):
         i, st = op.mb, chunks[op.chunk]
         key = (op.mb, op.chunk)
         rows = xs[i].shape[0]
         if op.kind == FORWARD:
-            x = xs[i].to(device) if st.is_first else recv(st.prev_rank, op, st).requires_grad_()
+            x = xs[i].to(device) if st.is_first else recv(index, op, st).requires_grad_()
+            post(index + 1)
             with hooks.compute_op(op, rows):
                 y = st(x)  # (b/m, s, h), logits (b/m, s, V) on the last stage
                 if st.is_last:
@@ -392,7 +425,8 @@ def run_schedule(
         elif op.kind == BACKWARD:
             if key not in outputs:
                 raise RuntimeError(f"op {op!r}: its forward has not run on this rank")
-            grad = None if st.is_last else recv(st.next_rank, op, st)
+            grad = None if st.is_last else recv(index, op, st)
+            post(index + 1)
             if not split:
                 with hooks.compute_op(op, rows):
                     torch.autograd.backward(outputs.pop(key), grad)
@@ -417,6 +451,7 @@ def run_schedule(
                 raise RuntimeError(f"op {op!r}: its backward B{op.mb} has not run on this rank")
             out, grad = weight_work.pop(key)
             inputs.pop(key)
+            post(index + 1)
             params = [prm for prm in st.parameters() if prm.requires_grad]
             with hooks.compute_op(op, rows):
                 torch.autograd.backward(out, grad, inputs=params)  # frees the graph

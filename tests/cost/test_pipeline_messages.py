@@ -46,11 +46,13 @@ def test_step_time_by_hand():
         cost.fixed_batch_step_time(4, 4, 8, 0.03, 0.004))
 
 
-def test_crossing_time_is_header_plus_payload():
+def test_crossing_time_is_one_latency_for_header_and_payload():
     alpha, beta = 1e-4, 1e-9
-    assert cost.crossing_time(1000, alpha, beta) == pytest.approx(
-        cost.message_time(cost.HEADER_BYTES, alpha, beta) + cost.message_time(1000, alpha, beta))
-    assert cost.crossing_time(0, alpha, beta) == pytest.approx(2 * alpha + 24 * beta)
+    # hand-worked: 100 us + (1000 + 24) B x 1 ns/B = 101.024 us
+    assert cost.crossing_time(1000, alpha, beta) == pytest.approx(101.024e-6)
+    assert cost.crossing_time(0, alpha, beta) == pytest.approx(alpha + 24 * beta)
+    with pytest.raises(ValueError, match="bytes, alpha, beta"):
+        cost.crossing_time(-1, alpha, beta)
 
 
 def test_op_times_split_and_chunks():

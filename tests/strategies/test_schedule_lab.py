@@ -54,6 +54,30 @@ def test_prediction_comes_from_the_cost_formulas():
     assert pred.bubble == pytest.approx(1 - busy / pred.step)
 
 
+def test_emulated_overrun_is_small_and_positive():
+    from parlib.experiments.pipeline import emulated_overrun
+
+    over = emulated_overrun(StageCost(0.002, 0.004, 0.001), rows=1, repeats=5)
+    assert 0 <= over < 0.02  # a 3 ms op: its sleep and the hooks add well under 20 ms
+    with pytest.raises(ValueError, match="repeats"):
+        emulated_overrun(COST, 1, repeats=0)
+
+
+def test_measured_crossing_prices_latency_own_time_and_slack():
+    from parlib.measure.crossings import CrossingFit
+
+    fit = CrossingFit(alpha=2e-4, beta=0.0, send_alpha=3e-4, send_beta=0.0, receive=1e-4)
+    priced = lab.message_costs(fit, 4096, overrun=1e-4)
+    assert priced == pytest.approx({"t_cross": 2e-4, "t_local": 2e-4, "t_slack": 1e-4})
+    pred = lab.predict("gpipe", 4, 8, 8, StageCost(0.01, 0.02, 0.002), **priced)
+    # hand-worked: F 12 ms, B 22 ms, each + 0.1 ms slack; 11 slots of an F and a B, each op
+    # with 2 messages of 0.2 ms; 6 crossings of 0.2 ms on the critical path
+    assert pred.t_f == pytest.approx(12.1e-3) and pred.t_b == pytest.approx(22.1e-3)
+    assert pred.step == pytest.approx(11 * (34.2e-3 + 4 * 0.2e-3) + 6 * 0.2e-3)
+    with pytest.raises(ValueError, match="t_slack"):
+        lab.predict("gpipe", 4, 8, 8, StageCost(0.01, 0.02, 0.002), t_slack=-1.0)
+
+
 def test_lab_table_measured_from_the_run_predicted_from_cost():
     runs = lab.run_schedule_lab(("1f1b", "interleaved"), p=2, m=2, batch=4, stage_cost=COST,
                                 repeats=1, alpha=1e-5, beta=1e-10, cfg=CFG, timeout=120)
