@@ -212,9 +212,9 @@ def run_schedule_lab(
     with the emulated ops' overrun measured now,
     :func:`parlib.experiments.pipeline.emulated_overrun`); without it, ``alpha`` (s) and
     ``beta`` (s/byte) of a link fit price each crossing and each rank's own part of a
-    message alike. Returns one
-    :class:`LabRun` each. A schedule that cannot run with these numbers (interleaved with m
-    not a multiple of p, an unknown name) raises ``ValueError`` before any rank starts."""
+    message alike. Returns one :class:`LabRun` each. A schedule that cannot run with these
+    numbers (interleaved with m not a multiple of p, an unknown name) raises ``ValueError``
+    before any rank starts."""
     cfg = cfg or lab_config(p, v)
     payload = formulas.boundary_bytes(batch // m, cfg.seq_len, cfg.d_model)
     if crossings is not None:
