@@ -454,7 +454,9 @@ def draw_schedule_lab(runs: Sequence[Any], caption: str = "", unit: str = "ms"):
                Patch(color=COLORS["idle"], label="idle (bubble)"),
                plt.Line2D([], [], color=COLORS["theory"], ls="--", label="predicted end")]
     fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=8, frameon=False)
-    title = "Pipeline schedules, measured next to simulated (emulated stage cost)"
+    title = "Pipeline schedules, measured next to simulated"
+    if "emulated" not in (caption or ""):  # a run_label caption already says it
+        title += " (emulated stage cost)"
     fig.suptitle(f"{title}\n{caption}" if caption else title, fontsize=11)
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
     return fig

@@ -121,6 +121,9 @@ def test_draw_schedule_lab_renders_measured_next_to_simulated():
     assert titles == ["1F1B: measured", "1F1B: simulated", "ZB-H1: measured",
                       "ZB-H1: simulated"]
     assert "emulated stage cost" in fig._suptitle.get_text()
+    # said once, whether the caption says it or not
+    labelled = draw_schedule_lab(_fake_runs(), caption="2 ranks, CPU, gloo, emulated stage cost")
+    assert labelled._suptitle.get_text().count("emulated stage cost") == 1
     zb = fig.axes[2]
     faces = {to_hex(c) for coll in zb.collections for c in coll.get_facecolors()}
     assert to_hex(COLORS["weight"]) in faces and to_hex(COLORS["backward"]) in faces
