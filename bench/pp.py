@@ -14,8 +14,8 @@ little late). The message times are measured first, point to point in the runner
 pattern (parlib.measure.crossings; the launching chapter's all-reduce fit prices a ring
 step, not a crossing whose receive was posted early, and its alpha swung 0.27-1.17 ms
 between quick fits here), and the overrun in this process
-(parlib.experiments.pipeline.emulated_overrun). Gradients are
-checked against the single-device model first; each row is the median of the repeats after
+(parlib.experiments.pipeline.emulated_overrun). Gradients are checked against the
+single-device model first; each row is the median of the repeats after
 one warm-up step, with the fastest and slowest repeat; messages are the send spans the
 runner recorded, against parlib.cost.messages_per_rank; "late ops" are the ops whose real
 compute outlasted their emulated time by over 1 ms (where the theory cannot hold).
@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     # Interleaving cuts the model into p x v chunks: every schedule runs that same model,
     # the lab's small one (its real compute stays well inside the emulated op times).
     cfg = lab_config(args.p, args.v if "interleaved" in args.schedules else 1)
-    if cfg.n_layers < ModelConfig().n_layers:
-        cfg = replace(cfg, n_layers=ModelConfig().n_layers)
+    cfg = replace(cfg, n_layers=max(cfg.n_layers, ModelConfig().n_layers))
     stage_cost = StageCost(args.t_f, args.t_b, args.t_call)
     # priced at this bench's shortest ops: a receiver wakes more slowly after a longer wait
     shortest = args.batch // max(args.ms)

@@ -26,8 +26,8 @@ neighbour sending a gradient back both wait for a recv that comes after the othe
 (gloo blocks on large messages: measured with 16 MB both ways here). Every payload
 follows a small header (kind, microbatch, chunk): two neighbours whose schedules order the
 microbatches differently would otherwise pair one microbatch's activation with another's
-and train on the mix without a word; the header turns that into an error naming both. The header's
-chunk is the receiver's (the chunk whose op consumes the payload).
+and train on the mix without a word; the header turns that into an error naming both. The
+header's chunk is the receiver's (the chunk whose op consumes the payload).
 
 Split backward (a schedule with W ops): B computes only the gradient of the stage's input
 and sends it (the previous stage waits for it); W computes the weights' gradients later.
@@ -384,7 +384,6 @@ def run_schedule(
             with hooks.message("recv", src, buf, op.mb):
                 check(header, src, op, st)
             return buf
-        post(index)
         header, buf, header_work, payload_work = posted.pop(index)
         with hooks.message("recv", src, buf, op.mb):
             header_work.wait()
@@ -407,12 +406,13 @@ def run_schedule(
                 "same microbatch order")
 
     for index, op in enumerate(ops):
+        post(index)  # (only the first op's is not posted yet)
+        post(index + 1)  # the next op's input travels while this op computes
         i, st = op.mb, chunks[op.chunk]
         key = (op.mb, op.chunk)
         rows = xs[i].shape[0]
         if op.kind == FORWARD:
             x = xs[i].to(device) if st.is_first else recv(index, op, st).requires_grad_()
-            post(index + 1)
             with hooks.compute_op(op, rows):
                 y = st(x)  # (b/m, s, h), logits (b/m, s, V) on the last stage
                 if st.is_last:
@@ -426,7 +426,6 @@ def run_schedule(
             if key not in outputs:
                 raise RuntimeError(f"op {op!r}: its forward has not run on this rank")
             grad = None if st.is_last else recv(index, op, st)
-            post(index + 1)
             if not split:
                 with hooks.compute_op(op, rows):
                     torch.autograd.backward(outputs.pop(key), grad)
@@ -451,7 +450,6 @@ def run_schedule(
                 raise RuntimeError(f"op {op!r}: its backward B{op.mb} has not run on this rank")
             out, grad = weight_work.pop(key)
             inputs.pop(key)
-            post(index + 1)
             params = [prm for prm in st.parameters() if prm.requires_grad]
             with hooks.compute_op(op, rows):
                 torch.autograd.backward(out, grad, inputs=params)  # frees the graph
