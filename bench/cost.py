@@ -11,7 +11,7 @@ Sections, each a function printing one table:
 - ``published``: predicted against reported utilisation of the published runs in
   ``parlib.cost.published`` (``comparison_table``).
 - ``ranking``: the model's order of the layouts of published sweeps against the measured
-  order (``parlib.cost.sweeps.ranking_table``, where that module exists).
+  order (``parlib.cost.sweeps.ranking_table``).
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
   measured here and emulated devices, then run with the combining chapter's code:
   measured / predicted per layout, with the measured link and with an emulated slow one
@@ -40,6 +40,7 @@ from parlib.cost import AXES, Hardware, Model, best_layouts
 from parlib.cost.estimate import Estimate
 from parlib.cost.hardware import GB
 from parlib.cost.published import comparison_table
+from parlib.cost.sweeps import ranking_table
 
 # Narayanan et al. 2021, Table 1: the 1008.0B row's shape (GPT, vocabulary 51,200, s = 2048).
 TRILLION = Model(128, 25600, 160, 2048, 51200, tied_embeddings=True, dropout=True,
@@ -162,11 +163,6 @@ def layouts_section(args: argparse.Namespace) -> None:
 
 
 def ranking_section(args: argparse.Namespace) -> None:
-    try:
-        from parlib.cost.sweeps import ranking_table
-    except ImportError:
-        print("\nranking: parlib.cost.sweeps.ranking_table is not in this checkout")
-        return
     print("\npublished sweeps: the model's ranking of each sweep's layouts against the "
           "measured one (sources: parlib/cost/sweeps.py)\n")
     print(ranking_table())

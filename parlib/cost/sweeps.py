@@ -22,6 +22,10 @@ that sweep's 7 points, a diagnosis, used nowhere), the cost of every kernel and 
 does not shrink with a smaller microbatch (framework and launch overheads of early 2022's
 Megatron-DeepSpeed). The model charges a matmul's shape (bigger microbatches run nearer the
 best rate) but no fixed cost per kernel, so it still ranks small microbatches too high.
+A fixed cost per kernel would not account for it either: along the TP 8 sweep, beyond what
+the model predicts, MBS 1 -> 2 saved 4.1-4.5 ms per microbatch-layer no longer run, MBS
+2 -> 4 13.3-15.0 ms, and MBS 4 -> 8 nothing (-0.8 ms: the model's bubble and matmul shapes
+account for that step). A constant per call would save the same at every step.
 """
 
 from __future__ import annotations
