@@ -175,6 +175,16 @@ def _pipeline(world: int) -> tuple[Callable[..., Any], tuple, dict]:
     return pipeline.rank_step, (SMALL,), dict(schedule_name="1f1b", m=2, warmup=0)
 
 
+def _pipeline_schedule(name: str) -> Callable[[int], tuple[Callable[..., Any], tuple, dict]]:
+    """The schedule lab's other runner paths: interleaved chunks, ZB-H1's split backward."""
+    def make(world: int) -> tuple[Callable[..., Any], tuple, dict]:
+        from parlib.experiments import pipeline
+
+        # SMALL's 4 blocks make 2 chunks of 2 on one rank, 4 chunks of 1 on two
+        return pipeline.rank_step, (SMALL,), dict(schedule_name=name, m=2, warmup=0)
+    return make
+
+
 def _torch_pipelining(world: int) -> tuple[Callable[..., Any], tuple, dict]:
     from parlib.experiments import torch_pipelining
 
@@ -226,6 +236,8 @@ CASES: dict[str, Callable[[int], tuple[Callable[..., Any], tuple, dict]]] = {
     "combined.rank_train_3d (p=2)": _combined,
     "combined.rank_train_3d (t=2)": _combined_tp,
     "pipeline.rank_step": _pipeline,
+    "pipeline.rank_step (interleaved)": _pipeline_schedule("interleaved"),
+    "pipeline.rank_step (zb-h1)": _pipeline_schedule("zb-h1"),
     "torch_pipelining.rank_torch_pipelining": _torch_pipelining,
     "sharded.ledger_run": _ledger,
     "sharded.fsdp2_run": _fsdp2,
