@@ -229,8 +229,9 @@ BLOOM_RUN = PublishedRun(
              "the embeddings those slots); vocabulary padded to 250,880; ZeRO-1; 1F1B, v = 1; "
              "the Jean Zay inter-node link at 6.25 GB/s per GPU, NVLink as a DGX's"),
     cannot_know=("the 4-link NVLink of a Jean Zay node (not a DGX's NVSwitch); a rate read "
-                 "from one benchmark iteration, which may have run with CUDA_LAUNCH_BLOCKING=1 "
-                 "(serial kernel launches) as the production script does against hangs"))
+                 "from one benchmark iteration, perhaps with CUDA_LAUNCH_BLOCKING=1 (serial "
+                 "kernel launches, set against hangs; the chronicles measured it at 91 against "
+                 "97 TFLOPs on 80 GPUs and no difference on 160)"))
 
 
 # Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", Sec. 2.4: 992
