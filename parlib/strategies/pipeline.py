@@ -405,8 +405,8 @@ def run_schedule(
                 "neighbouring stages must run their forwards (and backwards) in the "
                 "same microbatch order")
 
+    post(0)
     for index, op in enumerate(ops):
-        post(index)  # (only the first op's is not posted yet)
         post(index + 1)  # the next op's input travels while this op computes
         i, st = op.mb, chunks[op.chunk]
         key = (op.mb, op.chunk)
