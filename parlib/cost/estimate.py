@@ -64,8 +64,14 @@ What the model assumes, in one place:
   forward and one back, 1/t of it per TP rank (Megatron's scatter/gather). The first stage
   holds in_flight_microbatches(p, m, v) microbatches (chunks) of activations.
 - Data parallelism: the gradient sync (ZeRO-1/2: reduce-scatter + all-gather, ZeRO-3: both
-  per microbatch) overlaps the backward of the last microbatch (all compute for ZeRO-3).
-  The rest of it is exposed. ZeRO-3 with a pipeline (p > 1) is refused: every stage would
+  per microbatch) overlaps the backward of the last microbatch. ZeRO-3 overlaps by phase:
+  each microbatch's forward gathers hide behind forward compute, its backward gathers and
+  reduce-scatters behind backward compute (recomputation included): a gradient cannot be
+  sent before the backward makes it, so backward traffic never hides behind the forward.
+  (The first layer's gather and the last reduce-scatter, 1/L of each, are not charged as
+  exposed.) The gradients go at their own dtype's bytes (2 in mixed precision) unless
+  ``grad_reduce_bytes`` says otherwise (4: an fp32 reduction, FSDP2's reduce_dtype).
+  The rest of the sync is exposed. ZeRO-3 with a pipeline (p > 1) is refused: every stage would
   re-gather its weights for each microbatch's forward and backward (v x m times a step,
   on the links the pipeline also uses), which DeepSpeed refuses too; ZeRO-1 or 2 with
   the pipeline keep the weights whole between microbatches.
@@ -173,7 +179,8 @@ class Estimate:
     def hfu(self) -> float:
         """Hardware FLOPs utilisation: as ``mfu`` but counting the FLOPs the devices really
         run, recomputation included (selective: the attention scores again; full: every
-        layer's forward again). HFU >= MFU, equal without recomputation."""
+        layer's forward again; and ``extra_recompute_flops_per_token``'s). HFU >= MFU,
+        equal without recomputation."""
         return self.mfu * self.hardware_flops / self.model_flops
 
     @property
@@ -207,7 +214,9 @@ class Estimate:
 def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
              global_batch: int, zero: int = 0, recompute: bool | str = False, v: int = 1,
              sequence_parallel: bool = True, mixed_precision: bool = True,
-             dp_overlap: bool = True, replicated_head: bool = False) -> Estimate:
+             dp_overlap: bool = True, replicated_head: bool = False,
+             extra_recompute_flops_per_token: float = 0.0,
+             grad_reduce_bytes: int | None = None) -> Estimate:
     """Predict one layout, e.g. ``Layout(dp=8, tp=8)`` (a mapping of axis sizes is taken as
     one): m microbatches per step per data-parallel rank, ``global_batch`` sequences per
     step, v model chunks per pipeline rank (v > 1: the interleaved schedule).
@@ -224,6 +233,14 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     (fill and drain through the other stages) is charged at the other stages' mean compute.
     The default spreads the output layer's FLOPs evenly over the devices (a
     vocabulary-parallel head) and splits its weights t ways.
+    ``extra_recompute_flops_per_token``: forward FLOPs per token that a per-operation
+    checkpointing policy reruns in the backward beyond what ``recompute`` names (e.g.
+    torchtitan's "op" policy, which does not save every second matmul's output); they are
+    charged as layer compute and counted in HFU, and the memory stays ``recompute``'s (an
+    upper bound for such a policy).
+    ``grad_reduce_bytes``: bytes per gradient element the data-parallel sync sends (None:
+    the gradients' own, 2 in mixed precision, 4 in fp32; 4 for an fp32 reduction of bf16
+    gradients, as FSDP2's ``reduce_dtype=torch.float32``).
     Raises ValueError naming the problem for a layout that cannot exist.
     """
     check_inputs(model, hardware)
@@ -235,9 +252,20 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
         raise ValueError(ZERO3_WITH_PIPELINE.format(p=layout.pp))
     if not any(recompute is r for r in RECOMPUTE):
         raise ValueError(f"recompute must be False, 'selective' or True, got {recompute!r}")
+    extra = extra_recompute_flops_per_token
+    if isinstance(extra, bool) or not isinstance(extra, (int, float)) or not extra >= 0:
+        raise ValueError(f"extra_recompute_flops_per_token must be a number >= 0, got "
+                         f"{extra!r}")
+    if extra and recompute is True:
+        raise ValueError("extra_recompute_flops_per_token adds to a partial policy; full "
+                         "recomputation (recompute=True) already reruns every layer's forward")
+    if grad_reduce_bytes is not None and grad_reduce_bytes not in (2, 4):
+        raise ValueError(f"grad_reduce_bytes must be None, 2 (bf16/fp16) or 4 (fp32), got "
+                         f"{grad_reduce_bytes!r}")
     est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                     sequence_parallel, mixed_precision, dp_overlap,
-                    replicated_head=replicated_head)
+                    replicated_head=replicated_head, extra_recompute_flops_per_token=extra,
+                    grad_reduce_bytes=grad_reduce_bytes)
     est.reason = est.describe()
     return est
 
@@ -298,7 +326,9 @@ def check_inputs(model: Model, hardware: Hardware) -> None:
 def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
               mixed_precision: bool, dp_overlap: bool = True,
-              only_if_fits: bool = False, replicated_head: bool = False) -> Estimate | None:
+              only_if_fits: bool = False, replicated_head: bool = False,
+              extra_recompute_flops_per_token: float = 0.0,
+              grad_reduce_bytes: int | None = None) -> Estimate | None:
     """The estimate, inputs already checked (the planner calls this directly, with
     ``only_if_fits``: None, before any time is worked out, when the memory does not fit)."""
     s, h, L = model.seq_len, model.d_model, model.n_layers
@@ -383,7 +413,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     model_flops = model.flops_per_token * tokens
     extra = {False: 0, "selective": model.attention_flops_per_token,
              True: model.layers_forward_flops_per_token}[recompute]
-    hardware_flops = model_flops + extra * tokens
+    hardware_flops = model_flops + (extra + extra_recompute_flops_per_token) * tokens
     capacity = model.capacity_factor if model.is_moe and model.capacity_factor else 1.0
     if capacity != 1.0:  # experts compute their padded buffers (or skip the dropped tokens)
         expert_forward = L * 2 * model.top_k * model.expert_matmul_params * tokens
@@ -478,25 +508,37 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     # partly hidden behind backward
     # (the experts' gradients sync over their d x c / e copies)
     dp_total = dp_bytes = 0.0
+    forward_gathers = 0.0  # ZeRO-3: the part of dp_total sent during forwards
     sync = d * c
     link = links["dp"] if d > 1 else links["cp"]
     for group, weights in ((sync, params_per_device), (sync // e, experts_per_device)):
         if group == 1 or not weights:
             continue
         per = model_state_bytes_by_kind(weights, 1, 0, mixed_precision)
+        grads = per["grads"] if grad_reduce_bytes is None else weights * grad_reduce_bytes
         if zero == 0:
-            ops = [(1, "all_reduce", per["grads"])]
+            ops = [(1, "all_reduce", grads)]
         elif zero in (1, 2):
-            ops = [(1, "reduce_scatter", per["grads"]), (1, "all_gather", per["params"])]
+            ops = [(1, "reduce_scatter", grads), (1, "all_gather", per["params"])]
         else:  # ZeRO-3 gathers the weights for forward and again for backward, every microbatch
-            ops = [(2 * m, "all_gather", per["params"]), (m, "reduce_scatter", per["grads"])]
+            ops = [(2 * m, "all_gather", per["params"]), (m, "reduce_scatter", grads)]
+            forward_gathers += m * collective_time("all_gather", per["params"], group,
+                                                   link.alpha, link.beta)
         dp_total += sum(k * collective_time(op, nbytes, group, link.alpha, link.beta)
                         for k, op, nbytes in ops)
         dp_bytes += sum(k * predicted_sent_bytes(op, nbytes, group) for k, op, nbytes in ops)
-    # Gradients of the last microbatch appear during its backward: 2/3 of its model FLOPs
-    # (recomputed forwards produce no gradients, so they widen no window).
-    window = busy if zero == 3 else busy * (model_flops / hardware_flops) / m * (2 / 3)
-    dp_hidden = min(dp_total, window) if dp_overlap else 0.0
+    if zero == 3:
+        # by phase: the forwards' gathers behind forward compute (1/3 of the model FLOPs),
+        # the backwards' gathers and reduce-scatters behind the rest, recomputation included
+        forward = busy * model_flops / (1 + BACKWARD_PER_FORWARD) / hardware_flops
+        dp_hidden = (min(forward_gathers, forward)
+                     + min(dp_total - forward_gathers, busy - forward))
+    else:
+        # Gradients of the last microbatch appear during its backward: 2/3 of its model
+        # FLOPs (recomputed forwards produce no gradients, so they widen no window).
+        dp_hidden = min(dp_total, busy * (model_flops / hardware_flops) / m * (2 / 3))
+    if not dp_overlap:
+        dp_hidden = 0.0
 
     time = {"compute": compute, "memory_bound": memory_bound, "tp_comm": tp_comm,
             "cp_comm": cp_comm, "ep_comm": ep_comm,

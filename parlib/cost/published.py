@@ -260,10 +260,28 @@ OPT_RUN = PublishedRun(
 # WPS (tokens/s per GPU), 58.2% MFU; 70B with full checkpointing 331 WPS, 51.7% MFU.
 # Shapes: Meta's Llama 3 configurations (8B: 32 layers, 4096, 32 heads, 8 KV heads, FFN
 # 14,336; 70B: 80 layers, 8192, 64 heads, 8 KV heads, FFN 28,672; vocabulary 128,256),
-# torchtitan's sequence length 8192.
+# torchtitan's sequence length 8192. What the code at that commit ran
+# (torchtitan/parallelisms/parallelize_llama.py): FSDP2 with MixedPrecisionPolicy(
+# param_dtype=torch.bfloat16, reduce_dtype=torch.float32), so the gradients are
+# reduce-scattered in fp32 (grad_reduce_bytes=4); and the "op" selective checkpointing policy
+# saves the outputs of the matmuls and of attention "except every second mm", counted per
+# layer in forward order (wq, wk, wv, wo, w1, w3, w2): wk, wo and w3 are recomputed in the
+# backward (:func:`torchtitan_op_policy_flops_per_token`).
 _TORCHTITAN = "torchtitan docs/performance.md (commit 0413364), Llama 3 on 64 A100 (FSDP2)"
 _TORCHTITAN_UNKNOWN = ("the cluster's network and whether its A100 nodes are DGX-like; what "
                        "torchtitan's attention and norm kernels cost beside the matmuls")
+
+
+def torchtitan_op_policy_flops_per_token(model: Model) -> int:
+    """Forward FLOPs per token that torchtitan's "op" checkpointing policy (at commit
+    0413364) reruns in the backward: it saves every other matmul's output, so of a Llama
+    layer's seven (wq, wk, wv, wo, w1, w3, w2) the second, fourth and sixth are recomputed:
+    2 x (h x kv + h x h + h x f) per layer per token. Llama 3 8B: 2 x 4096 x (1024 + 4096
+    + 14336) = 159.4 M per layer, 5.10 G over its 32 layers."""
+    if not (model.gated_mlp and not model.is_moe):
+        raise ValueError(f"{model.name}: the policy's count is for a dense gated (Llama) MLP")
+    h = model.d_model
+    return model.n_layers * 2 * (h * model.kv_dim + h * h + h * model.ffn_dim)
 
 
 def _titan_row(size: str, layers: int, hidden: int, heads: int, ffn: int, recompute: bool | str,
@@ -274,6 +292,12 @@ def _titan_row(size: str, layers: int, hidden: int, heads: int, ffn: int, recomp
     # torchtitan's MFU (at that commit) counts 6 x all parameters, the embedding's included,
     # which multiply nothing; the same WPS with our FLOPs per token is the comparable figure.
     ours = wps * model.flops_per_token / hardware.peak_flops
+    settings = dict(m=1, global_batch=64, zero=3, recompute=recompute, grad_reduce_bytes=4)
+    policy = f"{checkpointing} checkpointing as recompute={recompute!r}"
+    if checkpointing == "selective op":
+        settings["extra_recompute_flops_per_token"] = torchtitan_op_policy_flops_per_token(model)
+        policy += (" plus the policy's recomputed wk, wo and w3 matmuls (memory counted as "
+                   "'selective': an upper bound)")
     return PublishedRun(
         name=f"Llama 3 {size}, 64 A100 FSDP",
         source=(f"{_TORCHTITAN}: {size}, batch 1, {checkpointing} AC, {wps} WPS, {mfu}% MFU "
@@ -281,12 +305,13 @@ def _titan_row(size: str, layers: int, hidden: int, heads: int, ffn: int, recomp
         model=model,
         hardware=hardware,
         layout=Layout(dp=64),
-        settings=dict(m=1, global_batch=64, zero=3, recompute=recompute),
+        settings=settings,
         metric="mfu", reported=ours, reported_tflops_per_device=None,
         reported_tokens_per_second_per_device=wps,
-        assumed=(f"sequence 8192; FSDP2 as ZeRO-3; {checkpointing} checkpointing as "
-                 f"recompute={recompute!r}; DGX A100 nodes; MFU recomputed from WPS with our "
-                 f"FLOP count (torchtitan's {mfu}% counts the embedding's parameters)"),
+        assumed=(f"sequence 8192; FSDP2 as ZeRO-3, gradients reduce-scattered in fp32 (the "
+                 f"code's reduce_dtype); {policy}; DGX A100 nodes; MFU recomputed from WPS "
+                 f"with our FLOP count (torchtitan's {mfu}% counts the embedding's "
+                 f"parameters)"),
         cannot_know=_TORCHTITAN_UNKNOWN)
 
 
@@ -322,9 +347,11 @@ def _mosaic_row(size: str, layers: int, hidden: int, heads: int, gpus: int, micr
                       recompute=True if checkpointing else "selective"),
         metric="mfu", reported=ours, reported_tflops_per_device=None,
         reported_tokens_per_second_per_device=tokens_per_gpu,
-        assumed=("FSDP FULL_SHARD as ZeRO-3; activation checkpointing as full recomputation, "
-                 "none as 'selective' (the fused attention stores no scores); DGX H100 nodes; "
-                 "MFU recomputed from T/s/GPU with our FLOP count"),
+        assumed=("FSDP FULL_SHARD as ZeRO-3, gradients reduced in bf16 (Composer's 'DEFAULT' "
+                 "mixed precision reduces in fp32 in some versions: with fp32 the ratio is the "
+                 "same, the sync stays hidden); activation checkpointing as full "
+                 "recomputation, none as 'selective' (the fused attention stores no scores); "
+                 "DGX H100 nodes; MFU recomputed from T/s/GPU with our FLOP count"),
         cannot_know=_MOSAIC_UNKNOWN, reported_params=round(n_params / 1e9, 1))
 
 
@@ -390,4 +417,5 @@ def caveats_table(runs: tuple[PublishedRun, ...] = RUNS) -> str:
 
 __all__ = ["BLOOM_RUN", "JEAN_ZAY_A100", "KORTHIKANTI_RUNS", "LLAMA_CHUNKS", "LLAMA_RUNS",
            "MEGATRON_RUNS", "MOSAIC_RUNS", "OPT_RUN", "RUNS", "TARGET_BAND", "TORCHTITAN_RUNS",
-           "PublishedRun", "agreement", "caveats_table", "comparison_table"]
+           "PublishedRun", "agreement", "caveats_table", "comparison_table",
+           "torchtitan_op_policy_flops_per_token"]

@@ -55,6 +55,49 @@ def test_sync_after_backward_hides_nothing():
     assert after.step_time == pytest.approx(overlapped.step_time + 79.36e-6)
 
 
+def test_zero3_hides_each_phase_behind_its_own_compute():
+    # d=4 across both nodes (10 us + 100 MB/s), m=1, b=4: 64 tokens, mixed precision,
+    # gradients reduce-scattered in fp32. All 3808 parameters on every device, unsplit.
+    kw = dict(m=1, global_batch=16, zero=3)
+    est = estimate(TOY, TOY_HW, Layout(dp=4), grad_reduce_bytes=4, **kw)
+    assert est.time["memory_bound"] == est.time["tp_comm"] == 0
+    # compute: 20736 FLOPs/token x 64 tokens / 4 devices / 1e9 = 331.776 us; forward a third
+    assert est.time["compute"] == pytest.approx(331.776e-6)
+    # all-gather of bf16 weights, 7616 B: 3 x 10 us + 3/4 x 7616 B x 10 ns = 87.12 us, once
+    # for forward and once for backward; reduce-scatter of fp32 grads, 15232 B: 144.24 us
+    assert est.time["dp_sync_total"] == pytest.approx((2 * 87.12 + 144.24) * 1e-6)
+    assert est.bytes_sent["dp"] == pytest.approx(2 * 0.75 * 7616 + 0.75 * 15232)
+    # forward: 87.12 us behind 110.592 us, all hidden; backward: 87.12 + 144.24 = 231.36 us
+    # behind 221.184 us, 10.176 us exposed, though the whole sync (318.48 us) is shorter than
+    # the whole compute: backward traffic cannot hide behind the forward
+    assert est.time["dp_sync_hidden"] == pytest.approx((87.12 + 221.184) * 1e-6)
+    assert est.time["dp_sync"] == pytest.approx(10.176e-6)
+    # in bf16 the reduce-scatter is 30 + 57.12 us: 174.24 us of backward traffic, all hidden
+    bf16 = estimate(TOY, TOY_HW, Layout(dp=4), **kw)
+    assert bf16.time["dp_sync_total"] == pytest.approx(3 * 87.12e-6)
+    assert bf16.time["dp_sync"] == pytest.approx(0)
+
+
+def test_extra_recomputed_flops_are_hardware_flops():
+    kw = dict(m=2, global_batch=8, mixed_precision=False, recompute="selective")
+    base = estimate(TOY, TOY_HW, Layout(dp=2, tp=2), **kw)
+    more = estimate(TOY, TOY_HW, Layout(dp=2, tp=2), extra_recompute_flops_per_token=1000,
+                    **kw)
+    # 1000 FLOPs x 32 tokens / 4 devices / 1e9 = 8 us more compute; MFU's FLOPs unchanged
+    assert more.time["compute"] == pytest.approx(base.time["compute"] + 8e-6)
+    assert more.model_flops == base.model_flops
+    assert more.hardware_flops == base.hardware_flops + 32_000
+    assert more.mfu < base.mfu and more.hfu > more.mfu
+    for bad, match in ((-1, ">= 0"), (True, ">= 0"), ("1e9", ">= 0")):
+        with pytest.raises(ValueError, match=match):
+            estimate(TOY, TOY_HW, Layout(dp=2, tp=2), extra_recompute_flops_per_token=bad, **kw)
+    with pytest.raises(ValueError, match="already reruns"):
+        estimate(TOY, TOY_HW, Layout(dp=2, tp=2), m=2, global_batch=8, recompute=True,
+                 extra_recompute_flops_per_token=1000)
+    with pytest.raises(ValueError, match="grad_reduce_bytes"):
+        estimate(TOY, TOY_HW, Layout(dp=2, tp=2), grad_reduce_bytes=3, **kw)
+
+
 def test_parts_add_up_and_dicts_are_complete():
     est = estimate(TOY, TOY_HW, Layout(tp=2, pp=2), m=4, global_batch=8, zero=0,
                    recompute="selective")
