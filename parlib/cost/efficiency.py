@@ -49,17 +49,19 @@ class Achievable:
     ``matmul_fraction`` of peak matmul FLOP/s (best shape, BF16, no sparsity),
     ``memory_bandwidth`` the fraction of its datasheet memory bandwidth streaming kernels
     reach, ``multiprocessors`` the SMs a matmul's tiles spread over (0: a rate that does
-    not depend on shape, as one measured here), and ``source`` where the numbers come from
-    (or what was assumed)."""
+    not depend on shape, as one measured here), ``nvlink_bandwidth`` the fraction of the
+    datasheet's one-way NVLink bandwidth a ring all-reduce's bus bandwidth reaches inside a
+    node, and ``source`` where the numbers come from (or what was assumed)."""
 
     generation: str
     matmul_fraction: float
     memory_bandwidth: float
     source: str
     multiprocessors: int = 0
+    nvlink_bandwidth: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("matmul_fraction", "memory_bandwidth"):
+        for name in ("matmul_fraction", "memory_bandwidth", "nvlink_bandwidth"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{self.generation}: {name} must be a fraction in (0, 1], "
@@ -75,6 +77,13 @@ class Achievable:
 # tensors typically measures 85-93% of it). It is an assumption, stated as one.
 _ASSUMED_MEMORY = 0.90
 _MEMORY_NOTE = "memory bandwidth: no published table, assumed 90% of the datasheet"
+# The same book's network chapter (network/README.md, "the ~80% rule of thumb"): an 8-GPU
+# node's all-reduce bus bandwidth at a 16 GiB payload, against the one-way NVLink spec:
+# A100 (NVLink 3) 234.89 of 300 GB/s, 78%; H200 (NVLink 4) with NCCL's ring 367.61 of 450,
+# 82% (SHARP's NVLS algorithm reports 482, past the wire: fewer bytes cross it). The H100
+# has the H200's NVLink 4 and NVSwitch, so it takes the H200's ring figure. InfiniBand
+# between nodes has no such table there and stays at its datasheet rate.
+_NVLINK_NOTE = "NVLink: all-reduce bus bandwidth at 16 GiB, ML Engineering network chapter"
 
 ACHIEVABLE: dict[str, Achievable] = {
     # Stas Bekman, "Machine Learning Engineering", compute/accelerator, the "Maximum
@@ -82,19 +91,22 @@ ACHIEVABLE: dict[str, Achievable] = {
     # TFLOPS, 85.9% (CUDA 12.1, best shape 6912x16384x2048).
     "A100": Achievable("A100", 267.9 / 312, _ASSUMED_MEMORY,
                        "MAMF table, ML Engineering (Bekman): 267.9 of 312 TFLOPS; "
-                       + _MEMORY_NOTE + "; 108 SMs (NVIDIA A100 datasheet)",
-                       multiprocessors=108),
+                       + _MEMORY_NOTE + "; 108 SMs (NVIDIA A100 datasheet); " + _NVLINK_NOTE
+                       + ": 234.89 of 300 GB/s",
+                       multiprocessors=108, nvlink_bandwidth=234.89 / 300),
     # Same table: H100 SXM 792.1 of 989 TFLOPS, 80.1% (CUDA 12.1, 6144x17920x2816).
     "H100": Achievable("H100", 792.1 / 989, _ASSUMED_MEMORY,
                        "MAMF table, ML Engineering (Bekman): 792.1 of 989 TFLOPS; "
-                       + _MEMORY_NOTE + "; 132 SMs (H100 SXM5, NVIDIA Hopper whitepaper)",
-                       multiprocessors=132),
+                       + _MEMORY_NOTE + "; 132 SMs (H100 SXM5, NVIDIA Hopper whitepaper); "
+                       + _NVLINK_NOTE + ": the H200's NVLink 4 ring, 367.61 of 450 GB/s",
+                       multiprocessors=132, nvlink_bandwidth=367.61 / 450),
     # The book's later table lists "H100/H200 SXM" together at 794.5 of 989 TFLOPS (80.3%):
     # the same chip with more and faster memory.
     "H200": Achievable("H200", 794.5 / 989, _ASSUMED_MEMORY,
                        "MAMF table, ML Engineering (Bekman): H100/H200 SXM 794.5 of 989 "
-                       "TFLOPS; " + _MEMORY_NOTE + "; 132 SMs (the H100's chip)",
-                       multiprocessors=132),
+                       "TFLOPS; " + _MEMORY_NOTE + "; 132 SMs (the H100's chip); "
+                       + _NVLINK_NOTE + ": NVLink 4 ring, 367.61 of 450 GB/s",
+                       multiprocessors=132, nvlink_bandwidth=367.61 / 450),
     # A rate measured here (parlib.measure.matmul_rate) is already what this machine
     # achieves: nothing left to discount.
     "measured": Achievable("measured", 1.0, 1.0,

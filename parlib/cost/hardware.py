@@ -55,7 +55,8 @@ def _achievable(generation: str) -> dict[str, Any]:
     """A preset's fields from its generation's row of the efficiency table."""
     row = achievable(generation)
     return {"generation": generation, "compute_efficiency": row.matmul_fraction,
-            "memory_efficiency": row.memory_bandwidth, "multiprocessors": row.multiprocessors}
+            "memory_efficiency": row.memory_bandwidth, "multiprocessors": row.multiprocessors,
+            "intra_node_efficiency": row.nvlink_bandwidth}
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,10 @@ class Hardware:
     (the presets: their generation's SM count) makes the matmul rate depend on shape: a
     matmul's output tiles run in waves over the SMs and small matmuls lose a larger share
     to the last, partly empty wave (:func:`parlib.cost.efficiency.matmul_time`); 0 runs
-    every shape at ``achievable_flops``.
+    every shape at ``achievable_flops``. ``intra_node_efficiency`` is the fraction of
+    ``intra_node``'s (datasheet) bandwidth collectives reach inside a node (the presets:
+    their generation's measured NVLink fraction); :meth:`link_for` returns the node's
+    link at that rate.
     """
 
     n_devices: int
@@ -90,6 +94,7 @@ class Hardware:
     memory_efficiency: float = 1.0
     generation: str = ""
     multiprocessors: int = 0
+    intra_node_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for field in ("n_devices", "devices_per_node"):
@@ -103,7 +108,7 @@ class Hardware:
             raise ValueError(f"memory_bytes must be > 0, got {self.memory_bytes!r}")
         if not self.peak_flops > 0:
             raise ValueError(f"peak_flops must be > 0, got {self.peak_flops!r}")
-        for field in ("compute_efficiency", "memory_efficiency"):
+        for field in ("compute_efficiency", "memory_efficiency", "intra_node_efficiency"):
             value = getattr(self, field)
             if not 0 < value <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {value!r}")
@@ -131,10 +136,11 @@ class Hardware:
 
     @property
     def at_peak(self) -> Hardware:
-        """This hardware at its datasheet: compute and memory efficiency 1 and every matmul
-        shape at that rate (an upper bound, as the cost model was before it counted
-        achievable rates)."""
-        return replace(self, compute_efficiency=1.0, memory_efficiency=1.0, multiprocessors=0)
+        """This hardware at its datasheet: compute, memory and NVLink efficiency 1 and
+        every matmul shape at that rate (an upper bound, as the cost model was before it
+        counted achievable rates)."""
+        return replace(self, compute_efficiency=1.0, memory_efficiency=1.0, multiprocessors=0,
+                       intra_node_efficiency=1.0)
 
     @property
     def n_nodes(self) -> int:
@@ -145,9 +151,18 @@ class Hardware:
         lies inside one node."""
         return span <= self.devices_per_node and self.devices_per_node % span == 0
 
+    @property
+    def achievable_intra_node(self) -> Link:
+        """The node's link at ``intra_node_efficiency`` of its bandwidth (itself at 1)."""
+        if self.intra_node_efficiency == 1:
+            return self.intra_node
+        return Link(alpha=self.intra_node.alpha,
+                    bandwidth=self.intra_node.bandwidth * self.intra_node_efficiency)
+
     def link_for(self, span: int) -> Link:
-        """The slowest link inside such a block: the node's own when it is in one node."""
-        return self.intra_node if self.in_one_node(span) else self.inter_node
+        """The slowest link inside such a block: the node's own (at its achievable rate)
+        when it is in one node."""
+        return self.achievable_intra_node if self.in_one_node(span) else self.inter_node
 
     def slowed_by(self, alpha: float, beta: float) -> Hardware:
         """A copy whose links both have ``alpha`` s per message and ``beta`` s per byte
@@ -177,6 +192,22 @@ class Hardware:
             memory_bandwidth=2039 * GB,
             **_achievable("A100"),
         ).with_(**changes)
+
+    @classmethod
+    def jean_zay_a100(cls, n_devices: int = 384, **changes: Any) -> Hardware:
+        """Jean Zay's A100 partition, where BigScience trained BLOOM: nodes of 8 A100 80 GB
+        (NVLink as a DGX's), 4 x 100 Gb/s Omni-Path per node, its network as NCCL used it.
+
+        BigScience measured it (bigscience-workshop/bigscience experiments/bandwidth/
+        all_reduce_bench-a100-n4.txt, January 2022): an fp32 all-reduce of 4 GB over 4
+        nodes, 32 ranks, took 1.5312 s, 40.49 Gb/s = 5.06 GB/s of bus bandwidth. The
+        inter-node link is the one that reproduces that time in this model's ring (2(n-1)
+        alphas plus 2(n-1)/n of the bytes over each rank's link): 5.06 GB/s per GPU, where
+        the datasheet's 4 x 100 Gb/s would give 6.25.
+        """
+        measured = 1.9375 * 4e9 / (1.5312 - 62 * 10e-6)  # 2(n-1)/n x bytes / (t - 62 alphas)
+        return cls.dgx_a100(n_devices, inter_node=Link(alpha=10e-6, bandwidth=measured),
+                            name="Jean Zay A100 80GB").with_(**changes)
 
     @classmethod
     def dgx_h100(cls, n_devices: int = 8, **changes: Any) -> Hardware:

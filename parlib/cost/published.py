@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parlib.cost.estimate import Estimate, estimate
-from parlib.cost.hardware import GB, Hardware, Link
+from parlib.cost.hardware import Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 
@@ -210,9 +210,8 @@ def _llama_row(gpus: int, cp: int, dp: int, seq_len: int, batch_per_dp: int, tfl
 # same TP 4, PP 12, MBS 2, GBS 2048, --checkpoint-activations, bf16 with DeepSpeed's ZeRO-1
 # equivalent, and --pad-vocab-size-to 250880. Megatron-DeepSpeed's TFLOPs count the
 # recomputed forward: "hfu".
-# Omni-Path: 4 x 100 Gb/s = 50 GB/s a node, 6.25 GB/s per GPU (a quarter of a DGX's).
-JEAN_ZAY_A100 = Hardware.dgx_a100(384, inter_node=Link(alpha=10e-6, bandwidth=6.25 * GB),
-                                  name="Jean Zay A100 80GB")
+# The cluster's network is the one BigScience measured (Hardware.jean_zay_a100).
+JEAN_ZAY_A100 = Hardware.jean_zay_a100(384)
 _BLOOM = Model(70, 14336, 112, 2048, 250880, tied_embeddings=True, learned_positions=False,
                dropout=True, name="BLOOM 176B")
 BLOOM_RUN = PublishedRun(
@@ -227,7 +226,8 @@ BLOOM_RUN = PublishedRun(
     metric="hfu", reported=150.05 / 312, reported_tflops_per_device=150.05,
     assumed=("70 layers in 12 stages, the first and last one layer short (BigScience gave "
              "the embeddings those slots); vocabulary padded to 250,880; ZeRO-1; 1F1B, v = 1; "
-             "the Jean Zay inter-node link at 6.25 GB/s per GPU, NVLink as a DGX's"),
+             "the Jean Zay network as BigScience measured it (an all-reduce's 5.06 GB/s "
+             "of bus bandwidth over 4 nodes, as each GPU's link), NVLink as a DGX's"),
     cannot_know=("the 4-link NVLink of a Jean Zay node (not a DGX's NVSwitch); a rate read "
                  "from one benchmark iteration, perhaps with CUDA_LAUNCH_BLOCKING=1 (serial "
                  "kernel launches, set against hangs; the chronicles measured it at 91 against "

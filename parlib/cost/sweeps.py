@@ -15,20 +15,20 @@ different global batch compare fairly. Every value comes from a table of measure
 times, with its source and precision; none is read off a figure.
 :func:`ranking_table` prints both measures per sweep; :func:`sweep_table` one sweep's points.
 
-What the model cannot know about BigScience's runs: the measured steps are 1.3-1.7x the
+What the model cannot know about BigScience's runs: the measured steps are 1.3-1.6x the
 predicted ones, and the excess grows with the number of microbatches: on the TP 8 sweep a
-least-squares line through its 7 points gives about 34 s plus 7 ms per microbatch per layer
-of a stage (a diagnosis, used nowhere). The model charges a matmul's shape (bigger
+least-squares line through its 7 points gives about 32 s plus 6.9 ms per microbatch per
+layer of a stage (a diagnosis, used nowhere). The model charges a matmul's shape (bigger
 microbatches run nearer the best rate), so it still ranks small microbatches too high. A
 fixed cost per kernel or message (framework and launch overheads of early 2022's
 Megatron-DeepSpeed) would not account for the excess either: along the TP 8 sweep, beyond
-what the model predicts, MBS 1 -> 2 saved 4.1-4.5 ms per microbatch-layer no longer run,
-MBS 2 -> 4 13.3-15.0 ms, and MBS 4 -> 8 nothing (-0.8 ms: the model's bubble and matmul
+what the model predicts, MBS 1 -> 2 saved 4.1-4.6 ms per microbatch-layer no longer run,
+MBS 2 -> 4 13.4-15.1 ms, and MBS 4 -> 8 nothing (-0.3 ms: the model's bubble and matmul
 shapes account for that step). A constant cost per call would save the same at every step;
 this is a rate that rises with the microbatch up to MBS 4, more steeply than the waves of
 :func:`~parlib.cost.efficiency.matmul_time` say. (With the last wave charged whole, the
-guide's ceiling, instead of half of it, the sweeps would give Spearman 0.56 and 0.64 and
-both picks the measured best, and 10 of the 16 published runs would stay in their band; the
+guide's ceiling, instead of half of it, the sweeps would give Spearman 0.61 and 0.82 and
+both picks the measured best, and 14 of the 16 published runs would be in their band; the
 half wave was chosen before the sweeps were seen, and stays.)
 """
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parlib.cost.estimate import Estimate, estimate
-from parlib.cost.hardware import GB, Hardware, Link
+from parlib.cost.hardware import Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 
@@ -149,17 +149,18 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 # ---- BigScience's search for BLOOM's layout on Jean Zay (bigscience-workshop/bigscience,
 # train/tr11-176B-ml/chronicles-prequel.md, "Choosing the fastest 3D topology"): 48 nodes of
-# 8 A100 80 GB, 4 x 100 Gb/s Omni-Path per node (6.25 GB/s per GPU). Megatron-DeepSpeed,
-# ZeRO-1, fp16. Sec/it is read at the 2nd iteration, printed to 0.01 s.
-JEAN_ZAY = Hardware.dgx_a100(384, inter_node=Link(alpha=10e-6, bandwidth=6.25 * GB),
-                             name="Jean Zay A100 80GB")
+# 8 A100 80 GB, 4 x 100 Gb/s Omni-Path per node, its network as BigScience measured it
+# (Hardware.jean_zay_a100). Megatron-DeepSpeed, ZeRO-1, fp16. Sec/it is read at the 2nd
+# iteration, printed to 0.01 s.
+JEAN_ZAY = Hardware.jean_zay_a100(384)
 _BIGSCIENCE = "bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md"
 _BIGSCIENCE_PRECISION = ("Sec/it to 0.01 s, one reading (iteration 2) per layout; the table "
                          "repeats DP 8 TP 4 PP 12 MBS 2 at 110.48 s and 113.54 s: ~3% noise")
 _BIGSCIENCE_ASSUMED = ("full activation recomputation and ZeRO-1, as the production script "
                        "(tr11-176B-ml.slurm) has them; 1F1B (v = 1); no sequence parallelism; "
-                       "the '250k' vocabulary as the script's padded 250,880; Omni-Path at 6.25 "
-                       "GB/s per GPU")
+                       "the '250k' vocabulary as the script's padded 250,880; the network as "
+                       "BigScience's all-reduce benchmark measured it (5.06 GB/s of bus "
+                       "bandwidth over 4 nodes, as each GPU's link)")
 _BLOOM_181B = Model(72, 14336, 64, 2048, 250880, tied_embeddings=True,
                     learned_positions=False, dropout=True, name="BigScience 181B (72 x 14336)")
 

@@ -56,10 +56,11 @@ def test_sync_after_backward_hides_nothing():
 
 
 def test_zero3_hides_each_phase_behind_its_own_compute():
-    # d=4 across both nodes (10 us + 100 MB/s), m=1, b=4: 64 tokens, mixed precision,
-    # gradients reduce-scattered in fp32. All 3808 parameters on every device, unsplit.
+    # d=4, one device per node (10 us + 100 MB/s each), m=1, b=4: 64 tokens, mixed
+    # precision, gradients reduce-scattered in fp32. All 3808 parameters on every device.
     kw = dict(m=1, global_batch=16, zero=3)
-    est = estimate(TOY, TOY_HW, Layout(dp=4), grad_reduce_bytes=4, **kw)
+    one_per_node = TOY_HW.with_(devices_per_node=1)
+    est = estimate(TOY, one_per_node, Layout(dp=4), grad_reduce_bytes=4, **kw)
     assert est.time["memory_bound"] == est.time["tp_comm"] == 0
     # compute: 20736 FLOPs/token x 64 tokens / 4 devices / 1e9 = 331.776 us; forward a third
     assert est.time["compute"] == pytest.approx(331.776e-6)
@@ -73,7 +74,7 @@ def test_zero3_hides_each_phase_behind_its_own_compute():
     assert est.time["dp_sync_hidden"] == pytest.approx((87.12 + 221.184) * 1e-6)
     assert est.time["dp_sync"] == pytest.approx(10.176e-6)
     # in bf16 the reduce-scatter is 30 + 57.12 us: 174.24 us of backward traffic, all hidden
-    bf16 = estimate(TOY, TOY_HW, Layout(dp=4), **kw)
+    bf16 = estimate(TOY, one_per_node, Layout(dp=4), **kw)
     assert bf16.time["dp_sync_total"] == pytest.approx(3 * 87.12e-6)
     assert bf16.time["dp_sync"] == pytest.approx(0)
 

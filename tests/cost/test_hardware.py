@@ -37,7 +37,7 @@ def test_presets_carry_the_datasheet_figures():
 
 def test_groups_of_adjacent_ranks_stay_in_a_node_when_they_fit():
     c = Hardware.dgx_h100(64)
-    assert c.link_for(1) is c.link_for(8) is c.intra_node
+    assert c.link_for(1) == c.link_for(8) == c.achievable_intra_node
     assert c.link_for(16) is c.inter_node
     assert c.link_for(3) is c.inter_node  # blocks of 3 straddle nodes of 8
     assert c.in_one_node(4) and not c.in_one_node(64)
@@ -65,3 +65,36 @@ def test_slowed_link_adds_times():
     assert link.beta == pytest.approx(2e-9)  # 1 ns/B + 1 ns/B: half the bandwidth
     with pytest.raises(ValueError, match=">= 0"):
         Link(1e-5, 1e9).slowed_by(-1.0, 0.0)
+
+
+def test_nvlink_runs_at_its_generations_measured_fraction():
+    # the ML Engineering book's all-reduce bus bandwidth at 16 GiB on one 8-GPU node:
+    # A100 234.89 of 300 GB/s; NVLink 4 (H200, with NCCL's ring) 367.61 of 450
+    a100, h100, h200 = Hardware.dgx_a100(8), Hardware.dgx_h100(8), Hardware.dgx_h200(8)
+    assert a100.link_for(8).alpha == 5e-6
+    assert a100.link_for(8).bandwidth == pytest.approx(234.89e9)
+    assert h100.link_for(8).bandwidth == h200.link_for(8).bandwidth == pytest.approx(367.61e9)
+    assert a100.intra_node.bandwidth == 300e9  # the datasheet figure stays the preset's
+    assert a100.link_for(16) is a100.inter_node  # InfiniBand: the datasheet's rate
+    assert a100.at_peak.link_for(8) is a100.intra_node
+    # a hand-made Hardware has efficiency 1: its links are its own
+    own = Hardware(8, 8, 80e9, 1e15, Link(1e-6, 1e11), Link(1e-5, 1e10))
+    assert own.link_for(8) is own.intra_node
+    with pytest.raises(ValueError, match="intra_node_efficiency must be in"):
+        own.with_(intra_node_efficiency=1.5)
+    # a tensor-parallel all-reduce of 100 MB on 8 A100s: 14 alphas + 2 x 7/8 x 1e8 B at
+    # 234.89 GB/s = 70 us + 745.0 us
+    link = a100.link_for(8)
+    assert collective_time("all_reduce", 1e8, 8, link.alpha, link.beta) == pytest.approx(
+        70e-6 + 1.75e8 / 234.89e9)
+
+
+def test_jean_zay_link_reproduces_bigscience_all_reduce():
+    # BigScience's all_reduce_bench on 4 Jean Zay A100 nodes: 4 GB of fp32 over 32 ranks
+    # in 1.5312 s (busbw 40.49 Gb/s)
+    jz = Hardware.jean_zay_a100(384)
+    link = jz.link_for(32)
+    assert link is jz.inter_node and link.bandwidth == pytest.approx(5.061e9, rel=1e-3)
+    assert collective_time("all_reduce", 4e9, 32, link.alpha, link.beta) == pytest.approx(
+        1.5312)
+    assert jz.n_devices == 384 and jz.generation == "A100"

@@ -17,7 +17,14 @@ the smaller, faster-stepping runs). With ZeRO-3's traffic overlapped by phase (b
 traffic behind backward compute only) and the torchtitan rows as their code ran them (fp32
 gradient reduce-scatter; the "op" policy's recomputed matmuls) torchtitan 8B goes from 0.73
 to 0.92 (0.80 from the recomputed matmuls alone; the exposed fp32 reduce-scatter the rest):
-12 of 16. test_agreement_does_not_regress guards that count.
+12 of 16. That exposed part rests on the model's ring, which charges each rank's whole
+share of an all-reduce to that rank's own NIC; NCCL's rings leave a DGX node through all
+eight NICs at once, and with that the 8B row would be 0.79 (not modelled yet). With NVLink
+at each generation's measured fraction (A100 78%, H100 82%) and Jean Zay's link as
+BigScience measured it (5.06 GB/s per GPU), 13 of 16: Megatron-LM 0.84, 0.85, 0.85;
+Llama 3 1.04, 1.00, 0.93; Korthikanti 22B 0.83, 175B 0.88, 530B 0.88, 1T 0.86; torchtitan
+8B 0.92, 70B 0.94; MPT 30B 0.84. Below the band: BLOOM 0.794, OPT 0.75, MPT 7B 0.66.
+test_agreement_does_not_regress guards that count.
 """
 
 import dataclasses
@@ -40,7 +47,7 @@ from parlib.cost.published import (
 )
 
 # What the model reaches today (see the module docstring); raise it when the model improves.
-RUNS_IN_BAND_AT_LEAST = 12
+RUNS_IN_BAND_AT_LEAST = 13
 # A run far outside this is a broken row or a broken model, not a modelling limit.
 SANITY_BAND = (0.45, 1.3)
 

@@ -6,8 +6,10 @@ BigScience's two Jean Zay sweeps: Spearman 0.23 over 17 layouts and -0.86 over 7
 at 0.85 of the best in each; it saw only the smaller bubble of more, smaller microbatches and
 picked MBS 1. With each layer's matmuls charged at their shape's rate (tiles in waves over
 the SMs, parlib.cost.efficiency.matmul_time) bigger microbatches and smaller t compute
-faster: Spearman 0.34 and 0.14, the pick at 0.92 and 0.91 of the best. Still short of the
-targets; the guards below are set at that level.
+faster: Spearman 0.34 and 0.14, the pick at 0.92 and 0.91 of the best. With Jean Zay's
+inter-node link as BigScience measured it (5.06 GB/s, not the datasheet's 6.25) and NVLink
+at the A100's measured 78%: 0.39 and 0.14, picks unchanged. Still short of the targets; the
+guards below are set at that level.
 """
 
 import dataclasses
@@ -26,7 +28,7 @@ from parlib.cost.sweeps import (
 )
 
 # Today's figures (see the docstring): regression guards, not the targets.
-CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.3,
+CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.35,
                         "BigScience 181B, 384 A100: PP x MBS at TP 8": 0.1}
 PICK_AT_LEAST = 0.9
 
