@@ -5,7 +5,9 @@ Ranks are numbered in the layout's rank order (tp fastest, then dp, pp slowest),
 of an axis lies in a block of ``layout.span(axis)`` consecutive ranks: a TP group is t
 adjacent ranks (in one node when t divides devices_per_node), a DP group spans t x d ranks
 and a pipeline all of them; a group is charged the slowest link inside that block
-(:meth:`Hardware.link_for`).
+(:meth:`Hardware.link_for`), except that ring collectives (TP's all-reduces, the gradient
+sync) across nodes share the node's NICs: a group with g ranks in each node sends 1/g of its
+bytes through them (:meth:`Hardware.ring_link`; ``Estimate.crossing``).
 
 What the model assumes, in one place:
 
@@ -128,7 +130,10 @@ class Estimate:
     each pipeline stage; ``binding`` (set by the planner for its picks) names what limits
     the layout: "memory", "compute", "memory bandwidth", "the pipeline bubble" or a link.
     ``bytes_sent`` (per device per step) and ``links`` ("intra-node", "inter-node" or
-    "none") are keyed by axis name ("pp", "dp", "cp", "tp", and "ep" where e > 1).
+    "none") are keyed by axis name ("pp", "dp", "cp", "tp", and "ep" where e > 1);
+    ``crossing`` holds, for the ring collectives' axes ("tp", "dp"), the share of those
+    bytes that leave the node (:meth:`Hardware.ring_crossing_share`; the other axes' bytes
+    cross whole where their link is inter-node).
     ``layout.tp`` and so on are the sizes; ``m`` microbatches per step per data-parallel
     rank, ``v`` model chunks per pipeline rank.
     """
@@ -152,6 +157,7 @@ class Estimate:
     reason: str = field(default="")
     stage_layers: list[int] = field(default_factory=list)
     binding: str = field(default="")
+    crossing: dict[str, float] = field(default_factory=dict)
 
     @property
     def memory_total(self) -> float:
@@ -185,8 +191,10 @@ class Estimate:
 
     @property
     def inter_node_bytes(self) -> float:
-        """Bytes one device sends per step over inter-node links."""
-        return sum(v for k, v in self.bytes_sent.items() if self.links[k] == "inter-node")
+        """Bytes one device sends per step over inter-node links (a ring collective's
+        share that leaves the node, :attr:`crossing`)."""
+        return sum(v * self.crossing.get(k, 1.0) for k, v in self.bytes_sent.items()
+                   if self.links[k] == "inter-node")
 
     @property
     def name(self) -> str:
@@ -341,6 +349,10 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     e = layout.ep
     spans = _spans(layout)
     links = {k: hardware.link_for(span) for k, span in spans.items()}
+    # ring collectives (TP's all-reduces, the gradient sync over d x c) share a node's NICs
+    sync_span = spans["dp"] if d > 1 else spans["cp"]
+    rings = {"tp": hardware.ring_link(spans["tp"], t),
+             "sync": hardware.ring_link(sync_span, d * c)}
     # a layer's weights: the dense part (attention, norms, router) on every ep rank; the
     # experts split e ways, their copies d x c / e
     dense_layer = model.layer_params - model.layer_expert_params
@@ -452,7 +464,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         per_layer_count = sum(ALL_REDUCES_PER_LAYER[x] for x in passes)
         one_all_reduce = collective_time("all_reduce",
                                          tp_message_bytes(b, s_local, h, act_bytes),
-                                         t, links["tp"].alpha, links["tp"].beta)
+                                         t, rings["tp"].alpha, rings["tp"].beta)
         tp_comm = m * slowest * per_layer_count * one_all_reduce
         tp_bytes = m * slowest * tp_sent_bytes_per_layer(b, s_local, h, t, act_bytes, passes)
 
@@ -510,7 +522,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     dp_total = dp_bytes = 0.0
     forward_gathers = 0.0  # ZeRO-3: the part of dp_total sent during forwards
     sync = d * c
-    link = links["dp"] if d > 1 else links["cp"]
+    link = rings["sync"]
     for group, weights in ((sync, params_per_device), (sync // e, experts_per_device)):
         if group == 1 or not weights:
             continue
@@ -553,7 +565,9 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                    links=_links(hardware, layout, spans),
                    stage=stage,
                    model_flops=model_flops, hardware_flops=hardware_flops,
-                   stage_layers=list(per_stage))
+                   stage_layers=list(per_stage),
+                   crossing={"tp": hardware.ring_crossing_share(spans["tp"], t),
+                             "dp": hardware.ring_crossing_share(sync_span, d * c)})
 
 
 @lru_cache(maxsize=16384)

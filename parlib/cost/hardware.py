@@ -8,6 +8,12 @@ Devices sit in nodes of ``devices_per_node``; a fast link joins devices inside a
 alpha-beta model of the launching chapter: ``alpha`` seconds per message, ``bandwidth`` bytes/s that
 one device can push in one direction.
 
+A ring collective over ranks in several nodes does not push every byte through one NIC:
+NCCL runs several rings at once, each leaving a node through a different NIC, so a group
+with g ranks in each node sends 1/g of each rank's bytes over the network and the rest over
+NVLink (:meth:`Hardware.ring_link`). The node's NICs are shared by all the groups that run
+at once: g ranks of a group in a node share g NICs' worth.
+
 Preset figures are from the vendors' datasheets named next to them. Latency (alpha) is
 not on any datasheet: the presets assume a few microseconds per ring step, which only
 matters for messages under about a megabyte.
@@ -164,6 +170,34 @@ class Hardware:
         when it is in one node."""
         return self.achievable_intra_node if self.in_one_node(span) else self.inter_node
 
+    def ring_link(self, span: int, degree: int) -> Link:
+        """The link a ring collective (all-reduce, reduce-scatter, all-gather) over a group
+        of ``degree`` ranks, evenly strided over a block of ``span`` consecutive ranks, runs
+        at: the node's own (achievable) link inside one node; across nodes, the inter-node
+        link when the group has one rank per node; with g > 1 ranks per node, time per byte
+        max(1 / (g x inter), (g - 1) / (g x NVLink)): of each rank's bytes, 1/g leave through
+        a NIC (the rings take turns), (g - 1)/g stay on NVLink. The message latency stays
+        the inter-node link's. Measured: two HGX A100 nodes with four 200 Gb/s NICs each
+        (12.5 GB/s a GPU) reach 91 GB/s of all-reduce bus bandwidth, where one GPU's share
+        of a NIC would give 12.5 and this rule 100 (NVIDIA/nccl-tests issue 100)."""
+        if self.in_one_node(span):
+            return self.achievable_intra_node
+        stride = max(1, span // degree)
+        per_node = min(degree, max(1, self.devices_per_node // stride))
+        if per_node == 1:
+            return self.inter_node
+        seconds_per_byte = max(1 / (per_node * self.inter_node.bandwidth),
+                               (per_node - 1) / (per_node * self.achievable_intra_node.bandwidth))
+        return Link(alpha=self.inter_node.alpha, bandwidth=1 / seconds_per_byte)
+
+    def ring_crossing_share(self, span: int, degree: int) -> float:
+        """The share of a rank's ring-collective bytes that leave its node (1/g for g ranks of
+        the group per node; 0 inside one node)."""
+        if self.in_one_node(span):
+            return 0.0
+        stride = max(1, span // degree)
+        return 1.0 / min(degree, max(1, self.devices_per_node // stride))
+
     def slowed_by(self, alpha: float, beta: float) -> Hardware:
         """A copy whose links both have ``alpha`` s per message and ``beta`` s per byte
         added (an emulated slower network, as :class:`parlib.measure.SlowLink` makes)."""
@@ -201,12 +235,15 @@ class Hardware:
         BigScience measured it (bigscience-workshop/bigscience experiments/bandwidth/
         all_reduce_bench-a100-n4.txt, January 2022): an fp32 all-reduce of 4 GB over 4
         nodes, 32 ranks, took 1.5312 s, 40.49 Gb/s = 5.06 GB/s of bus bandwidth. The
-        inter-node link is the one that reproduces that time in this model's ring (2(n-1)
-        alphas plus 2(n-1)/n of the bytes over each rank's link): 5.06 GB/s per GPU, where
-        the datasheet's 4 x 100 Gb/s would give 6.25.
+        datasheet's 4 x 100 Gb/s would be 50 GB/s a node; NCCL reached a tenth of it on
+        Omni-Path (BigScience's bandwidth notes: "we have an issue with nccl that doesn't
+        fully utilize Intel OPA full bandwidth"). A ring with 8 ranks a node shares the
+        node's links (:meth:`ring_link`), so the measured 5.06 GB/s is the node's: the
+        inter-node link is 5.06 / 8 = 0.633 GB/s for each of its GPUs, which reproduces the
+        measured time.
         """
-        measured = 1.9375 * 4e9 / (1.5312 - 62 * 10e-6)  # 2(n-1)/n x bytes / (t - 62 alphas)
-        return cls.dgx_a100(n_devices, inter_node=Link(alpha=10e-6, bandwidth=measured),
+        node = 1.9375 * 4e9 / (1.5312 - 62 * 10e-6)  # 2(n-1)/n x bytes / (t - 62 alphas)
+        return cls.dgx_a100(n_devices, inter_node=Link(alpha=10e-6, bandwidth=node / 8),
                             name="Jean Zay A100 80GB").with_(**changes)
 
     @classmethod

@@ -227,7 +227,8 @@ BLOOM_RUN = PublishedRun(
     assumed=("70 layers in 12 stages, the first and last one layer short (BigScience gave "
              "the embeddings those slots); vocabulary padded to 250,880; ZeRO-1; 1F1B, v = 1; "
              "the Jean Zay network as BigScience measured it (an all-reduce's 5.06 GB/s "
-             "of bus bandwidth over 4 nodes, as each GPU's link), NVLink as a DGX's"),
+             "of bus bandwidth over 4 nodes: what a node's rings share), NVLink as a "
+             "DGX's"),
     cannot_know=("the 4-link NVLink of a Jean Zay node (not a DGX's NVSwitch); a rate read "
                  "from one benchmark iteration, perhaps with CUDA_LAUNCH_BLOCKING=1 (serial "
                  "kernel launches, set against hangs; the chronicles measured it at 91 against "

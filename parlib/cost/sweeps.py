@@ -15,21 +15,26 @@ different global batch compare fairly. Every value comes from a table of measure
 times, with its source and precision; none is read off a figure.
 :func:`ranking_table` prints both measures per sweep; :func:`sweep_table` one sweep's points.
 
-What the model cannot know about BigScience's runs: the measured steps are 1.3-1.6x the
-predicted ones, and the excess grows with the number of microbatches: on the TP 8 sweep a
-least-squares line through its 7 points gives about 32 s plus 6.9 ms per microbatch per
-layer of a stage (a diagnosis, used nowhere). The model charges a matmul's shape (bigger
-microbatches run nearer the best rate), so it still ranks small microbatches too high. A
-fixed cost per kernel or message (framework and launch overheads of early 2022's
-Megatron-DeepSpeed) would not account for the excess either: along the TP 8 sweep, beyond
-what the model predicts, MBS 1 -> 2 saved 4.1-4.6 ms per microbatch-layer no longer run,
-MBS 2 -> 4 13.4-15.1 ms, and MBS 4 -> 8 nothing (-0.3 ms: the model's bubble and matmul
-shapes account for that step). A constant cost per call would save the same at every step;
-this is a rate that rises with the microbatch up to MBS 4, more steeply than the waves of
+Jean Zay's network is the one BigScience measured (:meth:`Hardware.jean_zay_a100`: a node's
+rings share 5.06 GB/s), so a TP 8 layout, whose eight data-parallel groups leave each node at
+once, pays its gradient sync at an eighth of it per group; with the datasheet's 6.25 GB/s
+per GPU, and each rank's share of a ring charged to its own NIC, the measured steps were
+1.3-1.7x the predicted ones. Now they are 0.89-1.21x on the 02-25 tables and 1.07-1.31x on
+the 02-21 one (before that day's PCI-Express fix).
+
+What the model cannot know about BigScience's runs: the excess grows with the number of
+microbatches: on the TP 8 sweep a least-squares line through its 7 points gives about 9 s
+plus 6.8 ms per microbatch per layer of a stage (a diagnosis, used nowhere). The model
+charges a matmul's shape (bigger microbatches run nearer the best rate), so it still ranks
+small microbatches too high. A fixed cost per kernel or message (framework and launch
+overheads of early 2022's Megatron-DeepSpeed) would not account for the excess either: along
+the TP 8 sweep, beyond what the model predicts, MBS 1 -> 2 saved 4.1-4.7 ms per
+microbatch-layer no longer run, MBS 2 -> 4 13.7-15.7 ms, and MBS 4 -> 8 2.0 ms. A constant
+cost per call would save the same at every step; this is a rate that rises with the
+microbatch up to MBS 4, more steeply than the waves of
 :func:`~parlib.cost.efficiency.matmul_time` say. (With the last wave charged whole, the
-guide's ceiling, instead of half of it, the sweeps would give Spearman 0.61 and 0.82 and
-both picks the measured best, and 14 of the 16 published runs would be in their band; the
-half wave was chosen before the sweeps were seen, and stays.)
+guide's ceiling, instead of half of it, the sweeps' correlations would be higher; the half
+wave was chosen before the sweeps were seen, and stays.)
 """
 
 from __future__ import annotations
@@ -160,7 +165,7 @@ _BIGSCIENCE_ASSUMED = ("full activation recomputation and ZeRO-1, as the product
                        "(tr11-176B-ml.slurm) has them; 1F1B (v = 1); no sequence parallelism; "
                        "the '250k' vocabulary as the script's padded 250,880; the network as "
                        "BigScience's all-reduce benchmark measured it (5.06 GB/s of bus "
-                       "bandwidth over 4 nodes, as each GPU's link)")
+                       "bandwidth over 4 nodes: what a node's rings share)")
 _BLOOM_181B = Model(72, 14336, 64, 2048, 250880, tied_embeddings=True,
                     learned_positions=False, dropout=True, name="BigScience 181B (72 x 14336)")
 

@@ -93,8 +93,32 @@ def test_jean_zay_link_reproduces_bigscience_all_reduce():
     # BigScience's all_reduce_bench on 4 Jean Zay A100 nodes: 4 GB of fp32 over 32 ranks
     # in 1.5312 s (busbw 40.49 Gb/s)
     jz = Hardware.jean_zay_a100(384)
-    link = jz.link_for(32)
-    assert link is jz.inter_node and link.bandwidth == pytest.approx(5.061e9, rel=1e-3)
-    assert collective_time("all_reduce", 4e9, 32, link.alpha, link.beta) == pytest.approx(
+    assert jz.link_for(32) is jz.inter_node  # 5.06 / 8 GB/s: a GPU's share of its node's
+    assert jz.inter_node.bandwidth == pytest.approx(5.061e9 / 8, rel=1e-3)
+    ring = jz.ring_link(32, 32)  # 8 ranks a node share it
+    assert ring.bandwidth == pytest.approx(5.061e9, rel=1e-3)
+    assert collective_time("all_reduce", 4e9, 32, ring.alpha, ring.beta) == pytest.approx(
         1.5312)
     assert jz.n_devices == 384 and jz.generation == "A100"
+
+
+def test_ring_collectives_share_a_nodes_links():
+    a100 = Hardware.dgx_a100(64)  # NVLink 234.89 GB/s achievable, 25 GB/s per GPU's NIC
+    # inside a node: NVLink
+    assert a100.ring_link(8, 8) == a100.link_for(8)
+    assert a100.ring_crossing_share(8, 8) == 0
+    # one rank a node (a data-parallel group beside t = 8): that rank's NIC, all its bytes
+    assert a100.ring_link(64, 8) is a100.inter_node and a100.ring_crossing_share(64, 8) == 1
+    # two ranks a node (beside t = 4): 1/2 of each rank's bytes cross, over 2 NICs: 50 GB/s
+    assert a100.ring_link(64, 16).bandwidth == pytest.approx(50e9)
+    assert a100.ring_crossing_share(64, 16) == 0.5
+    # eight a node: 8 x 25 = 200 GB/s of NICs, against NVLink's 8/7 x 234.89 = 268: 200
+    full = a100.ring_link(64, 64)
+    assert full.bandwidth == pytest.approx(200e9) and full.alpha == a100.inter_node.alpha
+    # NVLink binds when the NICs are faster: 8/7 x 234.89 GB/s
+    fast_nics = a100.with_(inter_node=Link(10e-6, 100e9))
+    assert fast_nics.ring_link(64, 64).bandwidth == pytest.approx(8 / 7 * 234.89e9)
+    # the measured case of NVIDIA/nccl-tests issue 100: two HGX A100 nodes, 4 x 200 Gb/s
+    # NICs each (12.5 GB/s a GPU): 91 GB/s measured bus bandwidth, 100 by this rule
+    hgx = Hardware.dgx_a100(16, inter_node=Link(10e-6, 12.5e9))
+    assert hgx.ring_link(16, 16).bandwidth == pytest.approx(100e9)

@@ -51,7 +51,9 @@ def test_a_slow_inter_node_link_keeps_gradient_traffic_off_it():
     on_fast = best_layouts(LLAMA_7B, fast, global_batch=1024)[0]
     on_slow = best_layouts(LLAMA_7B, slow, global_batch=1024)[0]
     assert on_fast.layout == Layout(dp=64), on_fast  # links cheap: all DP
-    assert on_slow.layout.dp < on_fast.layout.dp, on_slow
+    # slow: ZeRO-3's second gather of the weights is the first traffic to go (this model's
+    # gradients are fewer bytes than its 1024 x 4096 tokens' pipeline boundaries would be)
+    assert on_fast.zero == 3 and on_slow.zero < 3, on_slow
     dp_across = [e.bytes_sent["dp"] if e.links["dp"] == "inter-node" else 0.0
                  for e in (on_fast, on_slow)]
     assert dp_across[1] < dp_across[0] / 4

@@ -7,9 +7,12 @@ at 0.85 of the best in each; it saw only the smaller bubble of more, smaller mic
 picked MBS 1. With each layer's matmuls charged at their shape's rate (tiles in waves over
 the SMs, parlib.cost.efficiency.matmul_time) bigger microbatches and smaller t compute
 faster: Spearman 0.34 and 0.14, the pick at 0.92 and 0.91 of the best. With Jean Zay's
-inter-node link as BigScience measured it (5.06 GB/s, not the datasheet's 6.25) and NVLink
-at the A100's measured 78%: 0.39 and 0.14, picks unchanged. Still short of the targets; the
-guards below are set at that level.
+network as BigScience measured it (a node's rings share 5.06 GB/s; the datasheet said 6.25
+per GPU), ring collectives sharing a node's links (parlib.cost.hardware.Hardware.ring_link)
+and NVLink at the A100's measured 78%: 0.55 with the pick the measured best over the 17
+layouts, -0.14 with the pick at 0.91 over the 7 (the TP 8 sweep, all one t, where the
+model's microbatch ordering is all that differs). Still short of the targets; the guards
+below are set at that level.
 """
 
 import dataclasses
@@ -28,8 +31,8 @@ from parlib.cost.sweeps import (
 )
 
 # Today's figures (see the docstring): regression guards, not the targets.
-CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.35,
-                        "BigScience 181B, 384 A100: PP x MBS at TP 8": 0.1}
+CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.5,
+                        "BigScience 181B, 384 A100: PP x MBS at TP 8": -0.2}
 PICK_AT_LEAST = 0.9
 
 
@@ -131,5 +134,5 @@ def test_the_unexplained_microbatch_saving_is_not_a_fixed_cost_per_call():
 
     for one, two, four in ((0, 1, 2), (4, 5, 6)):  # PP 12 and PP 6, MBS 1, 2, 4
         assert 4.0 < excess_ms(one, two) < 5.0
-        assert 13.0 < excess_ms(two, four) < 15.5
-    assert abs(excess_ms(2, 3)) < 1.0  # PP 12, MBS 4 -> 8
+        assert 13.5 < excess_ms(two, four) < 16.0
+    assert abs(excess_ms(2, 3)) < 2.5  # PP 12, MBS 4 -> 8
