@@ -79,6 +79,22 @@ def test_zero3_hides_each_phase_behind_its_own_compute():
     assert bf16.time["dp_sync"] == pytest.approx(0)
 
 
+def test_a_ring_across_nodes_shares_the_nodes_links():
+    # d=4 over two nodes of 2, fp32, no ZeRO: each rank all-reduces 3808 x 4 = 15232 B.
+    # Two ranks a node send half their ring bytes over the 100 MB/s links, two links at
+    # once: 200 MB/s (5 ns a byte), 10 us a step: 6 x 10 us + 2 x 3/4 x 15232 B x 5 ns
+    est = estimate(TOY, TOY_HW, Layout(dp=4), m=1, global_batch=4, mixed_precision=False)
+    assert est.time["dp_sync_total"] == pytest.approx((60 + 114.24) * 1e-6)
+    assert est.bytes_sent["dp"] == pytest.approx(2 * 0.75 * 15232)
+    assert est.crossing["dp"] == 0.5
+    assert est.inter_node_bytes == pytest.approx(0.75 * 15232)  # half of it leaves the node
+    # one rank a node: every byte over its own link, 100 MB/s
+    apart = estimate(TOY, TOY_HW.with_(devices_per_node=1), Layout(dp=4), m=1,
+                     global_batch=4, mixed_precision=False)
+    assert apart.time["dp_sync_total"] == pytest.approx((60 + 228.48) * 1e-6)
+    assert apart.crossing["dp"] == 1 and apart.inter_node_bytes == apart.bytes_sent["dp"]
+
+
 def test_extra_recomputed_flops_are_hardware_flops():
     kw = dict(m=2, global_batch=8, mixed_precision=False, recompute="selective")
     base = estimate(TOY, TOY_HW, Layout(dp=2, tp=2), **kw)
