@@ -182,8 +182,7 @@ class Hardware:
         of a NIC would give 12.5 and this rule 100 (NVIDIA/nccl-tests issue 100)."""
         if self.in_one_node(span):
             return self.achievable_intra_node
-        stride = max(1, span // degree)
-        per_node = min(degree, max(1, self.devices_per_node // stride))
+        per_node = self._ranks_per_node(span, degree)
         if per_node == 1:
             return self.inter_node
         seconds_per_byte = max(1 / (per_node * self.inter_node.bandwidth),
@@ -195,8 +194,11 @@ class Hardware:
         the group per node; 0 inside one node)."""
         if self.in_one_node(span):
             return 0.0
-        stride = max(1, span // degree)
-        return 1.0 / min(degree, max(1, self.devices_per_node // stride))
+        return 1.0 / self._ranks_per_node(span, degree)
+
+    def _ranks_per_node(self, span: int, degree: int) -> int:
+        """Ranks of such a group in one node: its ranks are span / degree apart."""
+        return min(degree, max(1, self.devices_per_node // max(1, span // degree)))
 
     def slowed_by(self, alpha: float, beta: float) -> Hardware:
         """A copy whose links both have ``alpha`` s per message and ``beta`` s per byte
