@@ -534,10 +534,11 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
             ops = [(1, "reduce_scatter", grads), (1, "all_gather", per["params"])]
         else:  # ZeRO-3 gathers the weights for forward and again for backward, every microbatch
             ops = [(2 * m, "all_gather", per["params"]), (m, "reduce_scatter", grads)]
-            forward_gathers += m * collective_time("all_gather", per["params"], group,
-                                                   link.alpha, link.beta)
-        dp_total += sum(k * collective_time(op, nbytes, group, link.alpha, link.beta)
-                        for k, op, nbytes in ops)
+        seconds = [k * collective_time(op, nbytes, group, link.alpha, link.beta)
+                   for k, op, nbytes in ops]
+        if zero == 3:  # half the gathers are the forwards'
+            forward_gathers += seconds[0] / 2
+        dp_total += sum(seconds)
         dp_bytes += sum(k * predicted_sent_bytes(op, nbytes, group) for k, op, nbytes in ops)
     if zero == 3:
         # by phase: the forwards' gathers behind forward compute (1/3 of the model FLOPs),

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from parlib.cost.collectives import per_link_alpha_beta
+from parlib.cost.collectives import bus_bandwidth, collective_time, per_link_alpha_beta
 from parlib.cost.efficiency import achievable
 
 GB = 10**9  # datasheets' GB (decimal)
@@ -244,8 +244,10 @@ class Hardware:
         inter-node link is 5.06 / 8 = 0.633 GB/s for each of its GPUs, which reproduces the
         measured time.
         """
-        node = 1.9375 * 4e9 / (1.5312 - 62 * 10e-6)  # 2(n-1)/n x bytes / (t - 62 alphas)
-        return cls.dgx_a100(n_devices, inter_node=Link(alpha=10e-6, bandwidth=node / 8),
+        alpha, ranks = 10e-6, 32
+        latency = collective_time("all_reduce", 0.0, ranks, alpha, 0.0)  # 2(n-1) alphas
+        node = bus_bandwidth(4e9, 1.5312 - latency, ranks)
+        return cls.dgx_a100(n_devices, inter_node=Link(alpha=alpha, bandwidth=node / 8),
                             name="Jean Zay A100 80GB").with_(**changes)
 
     @classmethod
