@@ -59,20 +59,27 @@ def bus_bandwidth(nbytes: float, seconds: float, n: int) -> float:
     return predicted_sent_bytes("all_reduce", nbytes, n) / seconds
 
 
-def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+def fit_alpha_beta(sizes_bytes: Sequence[float], seconds: Sequence[float], *,
+                   what: str = "time") -> tuple[float, float]:
     """Least-squares fit of t = a + b x n: returns (a seconds, b seconds per byte).
 
     For one message, a is alpha and b is beta. For a ring all-reduce over N ranks the same
     line has a = 2(N-1) alpha and b = 2(N-1)/N beta: divide before comparing links.
     Each point is weighted by 1/t, so the relative error is minimised and small messages
-    count as much as big ones.
+    count as much as big ones. ``what`` names the times in an error (a time that is not
+    positive was measured wrongly: no line through it means anything).
     """
     n = [float(x) for x in sizes_bytes]
     t = [float(x) for x in seconds]
     if len(n) != len(t) or len(n) < 2:
         raise ValueError("need at least two (size, time) pairs of equal length")
-    if any(x <= 0 for x in t) or any(x < 0 for x in n):
-        raise ValueError("times must be positive and sizes non-negative")
+    for size, x in zip(n, t):
+        if not x > 0:  # also refuses NaN
+            raise ValueError(f"cannot fit a line to a {what} of {x * 1e3:.3g} ms at "
+                             f"{size:.0f} bytes: times must be positive (a measured time "
+                             f"at or below zero means the clocks were read out of order)")
+    if any(x < 0 for x in n):
+        raise ValueError(f"sizes must be non-negative, got {min(n):.0f} bytes")
     # Minimise sum(((a + b n - t) / t)^2): normal equations of a 2x2 system.
     w = [1.0 / x**2 for x in t]
     s0 = sum(w)

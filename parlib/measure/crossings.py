@@ -8,13 +8,17 @@ both on two ranks, interleaving the sizes over the rounds so that a busy moment 
 size alike:
 
 * the **latency**: from the moment the sender's two ``isend`` return to the moment a
-  receiver that is already waiting holds both messages, timed on the one clock
-  (``time.perf_counter``) that every process of a machine reads;
+  receiver that is already waiting holds both messages. Both moments are read on the one
+  clock (``time.perf_counter``) that every process of a machine reads, but that
+  difference can come out negative: gloo may deliver while the sender, descheduled, has
+  not yet returned from ``isend``. So the whole crossing is timed instead, from *before*
+  the sends (it cannot be negative: no message arrives before it is sent), and the latency
+  is that line less the sender's own posting time, never below zero;
 * a rank's **own time** in a message, serial with its compute: posting the two sends,
   and posting the two receives plus collecting a message that is already there.
 
-:func:`measure_crossings` fits ``alpha + beta x bytes`` to the latencies and to the sends
-(one latency for header and payload together: both are in flight at once) and returns a
+:func:`measure_crossings` fits ``alpha + beta x bytes`` to the whole crossings and to the
+sends (one line for header and payload together: both are in flight at once) and returns a
 :class:`CrossingFit`. The launching chapter's all-reduce fit (:mod:`parlib.measure.links`)
 prices a ring step, which waits for the slowest rank at every step; a crossing whose
 receive was posted early costs less, and on a shared machine that fit's alpha swings more.
@@ -41,10 +45,12 @@ DEFAULT_SIZES = (0, 32 * 1024, 128 * 1024, 512 * 1024)
 class CrossingFit:
     """Measured costs of one boundary crossing (seconds; bytes are header + payload).
 
-    ``alpha`` + ``beta`` x bytes: the latency after the sends return; ``send_alpha`` +
-    ``send_beta`` x bytes: the sender's own time posting them; ``receive``: the receiver's
-    own time posting its receives and collecting a message already there. ``sizes``
-    (payload bytes) with the means they were fitted to."""
+    ``alpha`` + ``beta`` x bytes: the whole crossing, from before the sends are posted to
+    an already waiting receiver holding both messages; ``send_alpha`` + ``send_beta`` x
+    bytes: the sender's own time posting them; ``receive``: the receiver's own time posting
+    its receives and collecting a message already there. :meth:`latency` is the first less
+    the second. ``sizes`` (payload bytes) with the means they were fitted to
+    (``latencies``: the whole crossings)."""
 
     alpha: float
     beta: float
@@ -56,9 +62,15 @@ class CrossingFit:
     sends: list[float] = field(default_factory=list)
     rounds: int = 0
 
-    def latency(self, payload_bytes: float) -> float:
-        """Seconds from the sends' return to an already waiting receiver holding both."""
+    def whole(self, payload_bytes: float) -> float:
+        """Seconds from before the sends to an already waiting receiver holding both."""
         return crossing_time(payload_bytes, self.alpha, self.beta)
+
+    def latency(self, payload_bytes: float) -> float:
+        """Seconds from the sends' return to an already waiting receiver holding both: the
+        whole crossing less the sender's posting time (a rank's own time, priced apart),
+        zero where the message was there before the sends returned."""
+        return max(0.0, self.whole(payload_bytes) - self.send(payload_bytes))
 
     def send(self, payload_bytes: float) -> float:
         """The sender's own seconds posting a header and a payload of this size."""
@@ -71,8 +83,8 @@ class CrossingFit:
 
     def describe(self) -> str:
         return (f"crossing (timed now, {self.rounds} rounds, point-to-point in the runner's "
-                f"pattern): latency {self.alpha * 1e6:.0f} us + {self.beta * 1e9:.2f} ns/B "
-                f"after the sends return; a rank's own time: send {self.send_alpha * 1e6:.0f}"
+                f"pattern): {self.alpha * 1e6:.0f} us + {self.beta * 1e9:.2f} ns/B from "
+                f"before the sends; a rank's own time: send {self.send_alpha * 1e6:.0f}"
                 f" us + {self.send_beta * 1e9:.2f} ns/B, receive {self.receive * 1e6:.0f} us")
 
 
@@ -85,8 +97,8 @@ def time_crossings(sizes_bytes: Sequence[int] = DEFAULT_SIZES, rounds: int = 20,
     about that long: set it near the op time of the pipeline to be priced,
     since a rank that has waited longer wakes more slowly (measured here: a latency of
     0.19-0.27 ms after 4 ms waits, 0.55-0.60 ms after 12 ms). Returns the trimmed means
-    (:func:`trimmed_mean`) on rank 0 (``latency``, ``send`` per size; ``receive`` one, in
-    seconds), None on rank 1."""
+    (:func:`trimmed_mean`) on rank 0 (``latency``: the whole crossing, from before the
+    sends, and ``send``, per size; ``receive`` one, in seconds), None on rank 1."""
     if dist.get_world_size() != 2:
         raise ValueError(f"time_crossings runs on 2 ranks, got {dist.get_world_size()}")
     if rounds < 1:
@@ -118,7 +130,7 @@ def time_crossings(sizes_bytes: Sequence[int] = DEFAULT_SIZES, rounds: int = 20,
                                         tag=0), dist.isend(payload, peer, tag=1)]
                     t1 = time.perf_counter()
                     done(works)
-                    mine = [t1, t1 - t0]
+                    mine = [t0, t1 - t0]  # t0: a crossing cannot end before it
                 else:
                     header = torch.empty(3, dtype=torch.int64, device=dev)
                     buf = torch.empty_like(payload)
@@ -169,8 +181,8 @@ def measure_crossings(*, launch: Callable[..., list[Any]], backend: str | None =
     got = launch(time_crossings, list(sizes_bytes), rounds, op_seconds, world_size=2,
                  backend=backend, **launch_kwargs)[0]
     total = [HEADER_BYTES + n for n in sizes_bytes]
-    alpha, beta = fit_alpha_beta(total, got["latency"])
-    send_alpha, send_beta = fit_alpha_beta(total, got["send"])
+    alpha, beta = fit_alpha_beta(total, got["latency"], what="crossing")
+    send_alpha, send_beta = fit_alpha_beta(total, got["send"], what="send")
     # a line through noisy points can dip below zero; no part of a message is negative
     return CrossingFit(max(alpha, 0.0), max(beta, 0.0), max(send_alpha, 0.0),
                        max(send_beta, 0.0), got["receive"][0],

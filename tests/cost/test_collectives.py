@@ -12,8 +12,18 @@ def test_fit_alpha_beta_recovers_a_line():
     assert a == pytest.approx(2e-4, rel=1e-6) and b == pytest.approx(3e-9, rel=1e-6)
     with pytest.raises(ValueError):
         fit_alpha_beta([1.0], [1.0])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a time of 0 ms at 1 bytes"):
         fit_alpha_beta([1.0, 2.0], [0.0, 1.0])
+
+
+def test_fit_names_a_negative_or_missing_time_and_what_it_was():
+    # a latency read on two clocks out of order: named, with its size, not a bare crash
+    with pytest.raises(ValueError, match=r"crossing of -0.7 ms at 32792 bytes.*out of order"):
+        fit_alpha_beta([24, 32792], [3e-4, -7e-4], what="crossing")
+    with pytest.raises(ValueError, match="a time of nan ms"):
+        fit_alpha_beta([1.0, 2.0], [float("nan"), 1.0])
+    with pytest.raises(ValueError, match="sizes must be non-negative, got -5 bytes"):
+        fit_alpha_beta([-5.0, 2.0], [1.0, 1.0])
 
 
 def test_ring_bytes_per_rank():
