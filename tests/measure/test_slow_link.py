@@ -13,6 +13,19 @@ from parlib.cost.collectives import collective_time
 from parlib.measure import CommLog, SlowLink
 
 ALPHA, BETA = 1e-3, 20e-9  # 1 ms per message step, 50 MB/s
+# A lower bound (a call takes at least its emulated time) holds under any load; an upper
+# bound (a call returns at once, a collective that is not slowed stays fast) fails when a
+# loaded machine stalls that one call, so it is measured again, up to this many times.
+TRIES = 3
+
+
+def _until_fast(run, fast):
+    """``run()`` until ``fast(result)`` holds, at most TRIES times; the last result."""
+    for _ in range(TRIES):
+        result = run()
+        if fast(result):
+            break
+    return result
 
 
 def _slowed_calls():
@@ -44,7 +57,9 @@ def _slowed_calls():
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_each_collective_takes_at_least_its_emulated_time(n):
-    seconds, extra, issued, logged, restored = parlib.launch(_slowed_calls, world_size=n)[0]
+    seconds, extra, issued, logged, restored = _until_fast(
+        lambda: parlib.launch(_slowed_calls, world_size=n)[0],
+        lambda r: r[2] < r[1]["all_reduce"])
     assert extra["all_reduce"] == collective_time("all_reduce", 2**20, n, ALPHA, BETA)
     assert extra["all_gather"] == collective_time("all_gather", n * 2**20, n, ALPHA, BETA)
     assert seconds["all_reduce"] >= extra["all_reduce"]
@@ -87,7 +102,8 @@ def _slowed_p2p():
 
 
 def test_point_to_point_messages_pay_one_message_time():
-    (extra, issued, sent), (_, _, received) = parlib.launch(_slowed_p2p, world_size=2)
+    (extra, issued, sent), (_, _, received) = _until_fast(
+        lambda: parlib.launch(_slowed_p2p, world_size=2), lambda r: r[0][1] < r[0][0])
     assert extra == pytest.approx(ALPHA + BETA * 2**18)  # alpha + beta x bytes
     assert issued < extra <= sent      # isend returns at once; its wait pays the link
     assert received >= extra           # the receiver pays it after the data arrives
@@ -113,7 +129,9 @@ def _slowed_batch():
 
 
 def test_a_batch_of_messages_pays_each_message_time_on_its_wait():
-    for extra, issued, took, broadcast, received in parlib.launch(_slowed_batch, world_size=2):
+    results = _until_fast(lambda: parlib.launch(_slowed_batch, world_size=2),
+                          lambda rs: all(r[1] < 2 * r[0] and r[3] < r[0] for r in rs))
+    for extra, issued, took, broadcast, received in results:
         assert received == 2**16
         assert issued < 2 * extra <= took  # one send and one receive, paid by the waits
         assert broadcast < extra
