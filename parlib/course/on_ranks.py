@@ -38,8 +38,8 @@ def verdict_from_rank_error(err: RankError, timeout: float | None,
     where = f"rank {rank}" if rank is not None else "a rank"
     if exc_type == "NotImplementedError":
         return NotAttempted()
-    if exc_type.lower() in ("timeout", "timeouterror"):
-        t = f" after {timeout:g} s" if timeout else ""
+    if exc_type.lower() in ("timeout", "timeouterror", "deadlock"):
+        t = f" after {timeout:g} s" if timeout and exc_type == "Timeout" else ""
         return CheckFailed(f"your function did not finish{t} ({where} was still waiting): "
                            f"{timeout_hint}")
     if exc_type == "Exited" and "SIGABRT" in str(err):
@@ -156,7 +156,8 @@ def _stuck(err: RankError) -> bool:
     text = f"{err} {err.remote_traceback or ''}".lower()
     if kind == "notimplementederror":
         return False
-    return kind in ("timeout", "timeouterror", "exited") or any(w in text for w in _STUCK_WORDS)
+    return (kind in ("timeout", "timeouterror", "deadlock", "exited")
+            or any(w in text for w in _STUCK_WORDS))
 
 
 class RankExercise(Implementation):
@@ -214,6 +215,8 @@ class RankExercise(Implementation):
             t = f" after {current_timeout():g} s" if kind.startswith("timeout") else ""
             where = (f"rank {err.rank} stopped first" if err.rank is not None
                      else f"{world.size} ranks")
+            if kind == "deadlock":
+                where = f"rank {err.rank} was left waiting in a collective its peers never made"
             raise self._fail("hang", self.hang_hint.format(t=t, where=where)) from None
 
     def _run(self, fn: Callable) -> None:

@@ -16,11 +16,13 @@ import cloudpickle
 
 
 class RankError(RuntimeError):
-    """A rank failed, hung past the timeout, or died. Raised in the notebook cell.
+    """A rank failed, hung past the timeout, was left in a collective its peers never made,
+    or died. Raised in the notebook cell.
 
     Attributes: ``rank`` (the root-cause rank, or None), ``exc_type`` (the exception's type
-    name, ``"Timeout"``, ``"Exited"`` or ``"UnpicklingError"``), ``remote_traceback`` (the
-    rank's frames in the learner's code, cells shown with their source lines),
+    name, ``"Timeout"``, ``"Deadlock"``, ``"Exited"`` or ``"UnpicklingError"``),
+    ``remote_traceback`` (the rank's frames in the learner's code, cells shown with their
+    source lines),
     ``full_traceback`` (every frame, parlib's included), ``kept`` (True when the ranks were
     left as they were: a warm cluster keeps its variables).
     """

@@ -47,7 +47,7 @@ from parlib.runtime.policy import (
     threads_per_rank,
     validate_sizes,
 )
-from parlib.runtime.stopping import SETTLE_S, Stopping
+from parlib.runtime.stopping import SETTLE_S, DeadlockWatch, Stopping
 
 # The process group's own timeout, far beyond any call's: the launcher's deadline and the
 # kernel's interrupt are what end a stuck collective. A gloo timeout equal to the call's fired
@@ -163,7 +163,10 @@ class RankGroup(Stopping):
 
     def _spec(self, rank: int, env: dict[str, str], threads: int) -> dict[str, Any]:
         rank_env = dict(env)
-        device = f"cuda:{rank}" if self.plan.device_type == "cuda" else "cpu"
+        # the caller's PARLIB_DEVICE wins (e.g. "cuda": gloo over GPU tensors, as bench/gpu.py
+        # runs two ranks on one GPU, which NCCL refuses)
+        device = env.get("PARLIB_DEVICE") or (
+            f"cuda:{rank}" if self.plan.device_type == "cuda" else "cpu")
         rank_env.update(
             RANK=str(rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(rank),
             LOCAL_WORLD_SIZE=str(self.world_size), PARLIB_DEVICE=device,
@@ -309,9 +312,18 @@ class RankGroup(Stopping):
         def settled() -> bool:
             return len(replies) + len({e["rank"] for e in errors} | dead - set(replies)) >= n
 
+        watch = DeadlockWatch(self)
+        deadlocked = False
+
+        def stop() -> bool:
+            nonlocal deadlocked
+            if settled() or errors or dead - set(replies):
+                return True
+            deadlocked = kind == "ok" and watch.stuck(replies, dead)
+            return deadlocked
+
         try:
-            self._pump(kind, replies, errors, dead, deadline,
-                       lambda: settled() or bool(errors) or bool(dead - set(replies)))
+            self._pump(kind, replies, errors, dead, deadline, stop)
             if (errors or dead - set(replies)) and not settled():
                 self._pump(kind, replies, errors, dead, time.monotonic() + SETTLE_S, settled)
         except KeyboardInterrupt:
@@ -320,7 +332,7 @@ class RankGroup(Stopping):
         self.output.flush_partials(0.0)
         if not (errors or dead - set(replies)):
             if len(replies) < n:
-                self._raise_timeout(kind, replies, errors, dead, deadline)
+                self._raise_timeout(kind, replies, errors, dead, deadline, deadlocked)
             return [replies[r] for r in range(n)]
         running = [r for r in range(n) if r not in replies and r not in dead
                    and not any(e["rank"] == r for e in errors)]

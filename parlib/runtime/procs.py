@@ -39,6 +39,17 @@ def start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds the process (all its threads) has used; None if gone or
+    where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def live_parents() -> dict[int, int]:
     """pid -> parent pid of every live process (zombies left out), read from /proc."""
     parents = {}

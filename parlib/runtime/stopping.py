@@ -15,6 +15,7 @@ import signal
 import time
 from typing import Any
 
+from parlib.runtime import procs
 from parlib.runtime.errors import (
     RankError,
     RanksInterrupted,
@@ -26,6 +27,56 @@ from parlib.runtime.errors import (
 SETTLE_S = 0.5  # after a rank fails, how long the others get to finish or fail too
 INTERRUPT_GRACE_S = 0.6  # how long an interrupted rank gets to stop in Python code
 STACK_DUMP_S = 0.2  # the most a rank's stack dump (faulthandler) may take before the interrupt
+# A rank that finished will never join another collective: ranks left blocked in one after
+# it (no CPU used, stack inside torch.distributed) for this long are called deadlocked, so
+# a rank that skipped a collective costs seconds instead of the whole call's timeout.
+DEADLOCK_S = 8.0
+IDLE_CPU_S = 0.05  # the CPU a blocked rank may use meanwhile (ticks are 10 ms)
+SAMPLE_S = 0.5  # how often the ranks' CPU times are read
+
+
+class DeadlockWatch:
+    """Watches a call for ranks left waiting on ranks that already returned.
+
+    :meth:`stuck` is cheap (it reads each running rank's CPU time from /proc at most every
+    SAMPLE_S) and says True once, for DEADLOCK_S, some rank has finished while every other
+    running rank used no CPU and its stack is inside torch.distributed. A rank sleeping or
+    computing is never called stuck: a sleep is not a collective, a computation uses CPU."""
+
+    def __init__(self, group: Stopping) -> None:
+        self.group = group
+        self.base: dict[int, float] = {}
+        self.since = 0.0
+        self.next_sample = 0.0
+
+    def stuck(self, replies: dict, dead: set) -> bool:
+        now = time.monotonic()
+        if now < self.next_sample:
+            return False
+        self.next_sample = now + SAMPLE_S
+        running = [r for r in range(self.group.world_size) if r not in replies and r not in dead]
+        cpu = {r: procs.cpu_seconds(self.group.ids[r][0]) for r in running}
+        if not replies or not running or any(c is None for c in cpu.values()):
+            self.base = {}
+            return False
+        if set(cpu) != set(self.base) or any(cpu[r] - self.base[r] > IDLE_CPU_S for r in cpu):
+            self.base, self.since = cpu, now  # someone moved: start the window again
+            return False
+        if now - self.since < DEADLOCK_S:
+            return False
+        self.group._request_stacks(running)
+        if all(_in_collective(self.group._read_stacks([r])) for r in running):
+            return True
+        self.base, self.since = cpu, now  # idle, but not in a collective: a sleep, say
+        return False
+
+
+def _in_collective(stack: str) -> bool:
+    """Is the innermost frame of a faulthandler dump inside torch.distributed?"""
+    for line in stack.splitlines():
+        if line.strip().startswith("File "):
+            return f"torch{os.sep}distributed{os.sep}" in line
+    return False
 
 
 class Stopping:
@@ -121,13 +172,21 @@ class Stopping:
                 "time": time.time(), "echo": False}
 
     def _raise_timeout(self, kind: str, replies: dict, errors: list, dead: set,
-                       deadline: float) -> None:
+                       deadline: float, deadlocked: bool = False) -> None:
+        """Stop the ranks that did not reply and raise: a Timeout at the deadline, or a
+        Deadlock when :class:`DeadlockWatch` found them blocked on finished ranks."""
         __tracebackhide__ = True
         stuck = [r for r in range(self.world_size) if r not in replies]
         self._request_stacks(stuck)
         done = sorted(replies)
         hint = ""
-        if done:
+        if deadlocked:
+            hint = (
+                f" Rank(s) {format_ranks(done)} had returned, and a rank that returned joins "
+                "no more collectives: did every rank call the same collectives, in the same "
+                "order, and does every recv have a matching send?"
+            )
+        elif done:
             hint = (
                 f" Rank(s) {format_ranks(done)} finished while rank(s) "
                 f"{format_ranks(stuck)} were still waiting: did every rank call the same "
@@ -142,10 +201,12 @@ class Stopping:
         note = ("(every rank was stopped in Python code; the ranks and their variables are "
                 "kept)" if kept and self.warm else "" if kept else self._lost_note(
                     "timeout: a rank was left inside a collective or C++ code"))
+        what = (f"waited inside a collective for {DEADLOCK_S:g} s without using the CPU"
+                if deadlocked else f"did not finish within {self._limit_s:.3g} s")
         raise RankError(
-            f"rank(s) {format_ranks(stuck)} did not finish within {self._limit_s:.3g} s; "
-            f"they were stopped.{hint}\n{note}".rstrip(),
-            rank=stuck[0], exc_type="Timeout", remote_traceback=stacks, kept=kept,
+            f"rank(s) {format_ranks(stuck)} {what}; they were stopped.{hint}\n{note}".rstrip(),
+            rank=stuck[0], exc_type="Deadlock" if deadlocked else "Timeout",
+            remote_traceback=stacks, kept=kept,
         )
 
     def _stack_path(self, rank: int) -> str:
@@ -185,4 +246,5 @@ class Stopping:
         return "\n\n".join(parts)
 
 
-__all__ = ["INTERRUPT_GRACE_S", "SETTLE_S", "STACK_DUMP_S", "Stopping"]
+__all__ = ["DEADLOCK_S", "INTERRUPT_GRACE_S", "SETTLE_S", "STACK_DUMP_S", "DeadlockWatch",
+           "Stopping"]

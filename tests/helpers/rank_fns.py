@@ -57,6 +57,13 @@ def skip_collective(rank):
     return dist.get_rank()
 
 
+def sleep_on(rank, seconds):
+    """Rank ``rank`` sleeps (no CPU, no collective) while the others return at once."""
+    if dist.get_rank() == rank:
+        time.sleep(seconds)
+    return dist.get_rank()
+
+
 def spin_forever():
     x = 0
     while True:

@@ -110,6 +110,30 @@ def test_interrupt_of_ranks_stuck_in_a_collective_rebuilds(cluster):
     assert cluster.run(rank_fns.rank_sum) == [1.0, 1.0]
 
 
+# -- issue 44: a rank left in a collective after its peers returned costs seconds --------
+def test_a_rank_left_in_a_collective_after_its_peer_returned_is_named_in_seconds():
+    from parlib.runtime.stopping import DEADLOCK_S
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        parlib.launch(rank_fns.skip_collective, 0, world_size=2, timeout=120)
+    took = time.monotonic() - start
+    err = info.value
+    assert err.exc_type == "Deadlock" and err.rank == 1, str(err)
+    assert f"waited inside a collective for {DEADLOCK_S:g} s" in str(err)
+    assert "Rank(s) 0 had returned" in str(err)
+    assert "dist.all_reduce(t)" in err.remote_traceback  # where it waited, on its own line
+    assert took < 60, f"took {took:.0f} s: the call's 120 s timeout, not the watch"
+
+
+def test_a_rank_sleeping_after_its_peer_returned_is_not_a_deadlock():
+    from parlib.runtime.stopping import DEADLOCK_S
+
+    # no CPU for longer than the watch's window, but in a sleep, not a collective
+    assert parlib.launch(rank_fns.sleep_on, 1, DEADLOCK_S + 2, world_size=2,
+                         timeout=120) == [0, 1]
+
+
 # -- 16.7: a rank that dies while idle -------------------------------------------------
 def test_dead_idle_rank_is_named_and_the_cluster_rebuilds(cluster):
     victim = cluster.pids()[1]
