@@ -3,7 +3,12 @@
 
     python3 tasks.py course    # make .venv, install everything, open JupyterLab on notebooks/
     python3 tasks.py test      # make .venv, install everything, run the whole test suite
+    python3 tasks.py test --keep-going   # run every step even after one fails
     python3 tasks.py ui        # only the browser test of JupyterLab (tests/ui; needs Chromium)
+    python3 tasks.py setup     # only make .venv and install everything
+    python3 tasks.py doctor    # python -m parlib doctor, inside .venv
+    python3 tasks.py grade NB [NB ...] [--json FILE]   # python -m parlib grade, inside .venv
+    python3 tasks.py build [--check]                   # python -m parlib build, inside .venv
 
 Options (environment variables):
     PARLIB_VENV=path        where the virtual environment lives (default: .venv here)
@@ -13,8 +18,7 @@ Options (environment variables):
     PARLIB_CHROMIUM=path    the Chromium the browser test drives (default: /usr/bin/chromium)
     CI=true                 a missing Chromium fails the browser test instead of skipping it
     PARLIB_CACHE_DIR=path   where a test run keeps the launching chapter's link fit (default:
-    out/cache,
-                            so the tests never replace the fit saved in ~/.cache/parlib)
+                            out/cache, so the tests never replace the fit in ~/.cache/parlib)
 Only the standard library is used here, so this runs before anything is installed.
 """
 
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import time
 import venv
+import webbrowser
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -84,8 +89,7 @@ def test_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("MPLBACKEND", "Agg")
     env.setdefault("TQDM_DISABLE", "1")  # progress bars would make nbval outputs noisy
-    env.pop("PARLIB_CHECK_MODE",
-    None)
+    env.pop("PARLIB_CHECK_MODE", None)
     # The notebooks save the launching chapter's link fit; a test run keeps its own (out/cache,
     # wiped with out/ at the start) instead of replacing the one a learner measured.
     env.setdefault("PARLIB_CACHE_DIR", str(ROOT / "out" / "cache"))
@@ -118,14 +122,18 @@ def ui_step(py: Path) -> tuple[str, list[str | Path], dict[str, str]] | str:
     return ("JupyterLab in Chromium: what a learner sees (tests/ui)", cmd, {})
 
 
-def test(py: Path) -> int:
+def test(py: Path, keep_going: bool = False) -> int:
     """The whole suite: drift check, lint, unit and fault tests, every notebook under nbval
-    (solutions strict, exercises expect-fail), then proof that every question reported."""
+    (solutions strict, exercises expect-fail), then proof that every question reported.
+    Stops at the first failing step unless ``keep_going``."""
     log_dir = ROOT / "out"
     shutil.rmtree(log_dir, ignore_errors=True)
     log_dir.mkdir()
-    nbval = [py, "-m", "pytest", "-p", "no:cacheprovider", "--nbval-lax",
-             "--nbval-current-env", "--nbval-cell-timeout=300",
+    # tests.nbval_kernels: a kernel that dies while starting (a loaded machine) is started
+    # again instead of failing every cell of its notebook
+    nbval = [py, "-m", "pytest", "-p", "no:cacheprovider", "-p", "tests.nbval_kernels",
+             "--nbval-lax", "--nbval-current-env", "--nbval-cell-timeout=300",
+             "--nbval-kernel-startup-timeout=180",
              "--nbval-sanitize-with", "tests/nbval_sanitize.cfg"]
     steps = [
         ("exercises and solutions match authoring/", [py, "-m", "parlib", "build", "--check"], {}),
@@ -148,26 +156,38 @@ def test(py: Path) -> int:
         skipped.append(("JupyterLab in Chromium (tests/ui)", ui))
     else:
         steps.append(ui)
-    results = run_steps(steps)
-    print("\n=== summary")
+    start = time.time()
+    results = run_steps(steps, keep_going)
+    print(summary(results, steps, skipped, time.time() - start))
+    return 0 if len(results) == len(steps) and all(r[1] == 0 for r in results) else 1
+
+
+def summary(results: list[tuple], steps: list[tuple], skipped: list[tuple[str, str]],
+            seconds: float) -> str:
+    """A line per step: ok, FAIL, not run (after a failure) or SKIP, and the counts."""
+    lines = ["\n=== summary"]
     for title, code, secs in results:
-        print(f"{'ok  ' if code == 0 else 'FAIL'} {secs:6.0f} s  {title}")
-    for title, reason in skipped:
-        print(f"SKIP          {title}: {reason}")
-    failed = [r for r in results if r[1] != 0]
-    passed = len(results) - len(failed)
-    print(f"steps: {passed} passed, {len(steps) - passed} failed, {len(skipped)} skipped")
-    return 1 if failed or len(results) < len(steps) else 0
+        lines.append(f"{'ok  ' if code == 0 else 'FAIL'} {secs:6.0f} s  {title}")
+    not_run = [step[0] for step in steps[len(results):]]
+    lines += [f"not run         {title} (an earlier step failed; --keep-going runs it)"
+              for title in not_run]
+    lines += [f"SKIP            {title}: {reason}" for title, reason in skipped]
+    failed = sum(1 for r in results if r[1] != 0)
+    lines.append(f"steps: {len(results) - failed} passed, {failed} failed, {len(not_run)} not "
+                 f"run, {len(skipped)} skipped, in {seconds / 60:.1f} min")
+    return "\n".join(lines)
 
 
-def run_steps(steps: list[tuple[str, list[str | Path], dict[str, str]]]) -> list[tuple]:
+def run_steps(steps: list[tuple[str, list[str | Path], dict[str, str]]],
+              keep_going: bool = False) -> list[tuple]:
+    """Run the steps in order, up to the first that fails (all of them with keep_going)."""
     results = []
     for title, cmd, extra in steps:
         print(f"\n=== {title}", flush=True)
         start = time.time()
         code = run(*cmd, env=test_env(**extra), check=False)
         results.append((title, code, time.time() - start))
-        if code != 0:
+        if code != 0 and not keep_going:
             break
     return results
 
@@ -182,25 +202,50 @@ def ui(py: Path) -> int:
     return run_steps([step])[0][1]
 
 
+def has_browser() -> bool:
+    """Can JupyterLab open a browser here? (Not on a server or in a container.)"""
+    try:
+        webbrowser.get()
+        return True
+    except webbrowser.Error:
+        return False
+
+
 def course(py: Path) -> int:
-    args = [py, "-m", "jupyter", "lab", "--notebook-dir", str(ROOT)]
+    # Warnings and the one address to open, not the server's start-up log (which repeats
+    # the address with its token).
+    args = [py, "-m", "jupyter", "lab", "--notebook-dir", str(ROOT), "--ServerApp.ip=127.0.0.1",
+            "--ServerApp.log_level=WARN", "--LabApp.log_level=WARN"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # containers often run as root
         args.append("--allow-root")
+    if not has_browser():
+        print("no web browser here: open the address below in one (on another machine, "
+              "forward the port first, e.g. ssh -L 8888:127.0.0.1:8888)", flush=True)
+        args.append("--no-browser")
     target = "notebooks/00_launching_ranks.ipynb"
     return subprocess.call([str(a) for a in args] + ([f"--LabApp.default_url=/lab/tree/{target}"]
                                                      if (ROOT / target).exists() else []))
 
 
+PARLIB_COMMANDS = ("doctor", "grade", "build")  # python -m parlib's, run inside .venv
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1 or argv[0] not in ("course", "test", "ui", "setup"):
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    known = command in PARLIB_COMMANDS or (
+        command in ("course", "ui", "setup") and not rest) or (
+        command == "test" and rest in ([], ["--keep-going"]))
+    if not known:
         print(__doc__)
         return 2
     py = setup()
-    if argv[0] == "test":
-        return test(py)
-    if argv[0] == "course":
+    if command in PARLIB_COMMANDS:
+        return subprocess.call([str(py), "-m", "parlib", command, *rest])
+    if command == "test":
+        return test(py, keep_going=bool(rest))
+    if command == "course":
         return course(py)
-    if argv[0] == "ui":
+    if command == "ui":
         return ui(py)
     return 0
 
