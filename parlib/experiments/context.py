@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from parlib.measure import CommLog, SavedActivations
 from parlib.model import ModelConfig, build_model, loss_fn, make_batch, make_optimizer
+from parlib.runtime.policy import device as this_device
 from parlib.strategies.context import (
     ATTENTIONS,
     average_gradients,
@@ -125,21 +126,22 @@ def train_split_model(cfg: ModelConfig, *, steps: int = 3, batch: int = 4, lr: f
     ``"losses"``, ``"grads"`` (per step, by name) and ``"params"``, as
     :func:`parlib.verify.reference_run` does for one device."""
     group = _group(group)
-    model = context_parallel_copy(build_model(cfg, seed), group, layout, attention)
+    dev = this_device()  # NCCL reduces only tensors on this rank's GPU
+    model = context_parallel_copy(build_model(cfg, seed), group, layout, attention).to(dev)
     opt = make_optimizer(model.parameters(), "sgd", lr)
     losses, grads = [], []
     for step in range(steps):
-        tokens, targets = make_batch(batch, cfg, step, seed)
+        tokens, targets = (t.to(dev) for t in make_batch(batch, cfg, step, seed))
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(split_sequence(tokens, group, layout)),
                        split_sequence(targets, group, layout))
         loss.backward()
         average_gradients(model, group)
         losses.append(float(mean_over_group(loss, group)))
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.cpu().clone() for n, p in model.named_parameters()})
         opt.step()
     return {"losses": losses, "grads": grads,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
 
 
 def saved_activations(cfg: ModelConfig, seq_lens: list[int], *, batch: int = 1,

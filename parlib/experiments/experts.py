@@ -39,6 +39,7 @@ from parlib.model import (
     make_optimizer,
     route,
 )
+from parlib.runtime.policy import device as this_device
 from parlib.strategies.experts import (
     ExpertParallelMoE,
     aux_loss,
@@ -82,15 +83,16 @@ def layer_traffic(cfg: ModelConfig, tokens: int = 32,
     ``"computed"`` (rows this rank's experts ran)."""
     group = _group(group)
     rank = dist.get_rank(group)
+    dev = this_device()  # NCCL moves only tensors on this rank's GPU
     out = {}
     for factor in capacity_factors:
-        x = layer_tokens(cfg, tokens, rank, seed)
-        d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank))
-        single = _layer(cfg, factor, seed)
+        x = layer_tokens(cfg, tokens, rank, seed).to(dev)
+        d_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(7 + rank)).to(dev)
+        single = _layer(cfg, factor, seed).to(dev)
         want_x = x.clone().requires_grad_()
         want = single(want_x)
         want.backward(d_out)
-        layer = ExpertParallelMoE(_layer(cfg, factor, seed), group)
+        layer = ExpertParallelMoE(_layer(cfg, factor, seed), group).to(dev)
         got_x = x.clone().requires_grad_()
         with CommLog() as log:
             got = layer(got_x)
@@ -149,11 +151,12 @@ def train_expert_parallel(cfg: ModelConfig, ep: int, *, steps: int = 3, batch: i
     token all-to-alls of the first step, this rank)."""
     world = dist.group.WORLD
     ep_group, replicas = expert_groups(ep)
-    model = expert_parallel_copy(build_model(cfg, seed), ep_group)
+    dev = this_device()  # NCCL moves only tensors on this rank's GPU
+    model = expert_parallel_copy(build_model(cfg, seed), ep_group).to(dev)
     opt = make_optimizer(model.parameters(), "sgd", lr)
     losses, grads, sent = [], [], 0
     for step in range(steps):
-        tokens, targets = make_batch(batch, cfg, step, seed)
+        tokens, targets = (t.to(dev) for t in make_batch(batch, cfg, step, seed))
         opt.zero_grad(set_to_none=True)
         with CommLog() as log:
             loss = loss_fn(model(split_rows(tokens, world)), split_rows(targets, world))
@@ -165,10 +168,10 @@ def train_expert_parallel(cfg: ModelConfig, ep: int, *, steps: int = 3, batch: i
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(float(total) / dist.get_world_size())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.cpu().clone() for n, p in model.named_parameters()})
         opt.step()
     return {"losses": losses, "grads": grads, "bytes": sent,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+            "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()}}
 
 
 def dense_moe_output(moe: MoE, x: torch.Tensor) -> torch.Tensor:

@@ -294,15 +294,21 @@ def fsdp2_run(cfg: ModelConfig, batch: int, *, steps: int = 3, seed: int = 0, lr
     collectives, and the median step time over ``repeats`` steps (alternating the two)."""
     import warnings
 
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
     dev = this_device()
     ours = Sharded("ZeRO-3", cfg, seed=seed, lr=lr)
     net = build_model(cfg, seed).to(dev)
+    # fully_shard's default mesh is on the machine's accelerator, whatever device the ranks
+    # use (CPU ranks on a GPU machine; two ranks on one GPU): name this rank's device
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev if dev.index is not None else torch.cuda.current_device())
+    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
     for block in net.blocks:
-        fully_shard(block)
-    fully_shard(net)
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     theirs = torch.optim.Adam(net.parameters(), lr=lr)
     pairs = {"ours (parlib.FSDP)": (ours.model, ours.optimizer, ours.step),
              "FSDP2 (fully_shard)": (net, theirs, theirs.step)}

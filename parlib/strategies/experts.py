@@ -128,7 +128,7 @@ class ExpertParallelMoE(nn.Module):
         send, recv = plan["per_rank"].tolist(), incoming.sum(1).tolist()
         arrived = all_to_all(tokens[plan["token"]], send, recv, self.group)
         # rows arrive by sender, each sender's sorted by expert: group them by expert
-        local = torch.arange(len(self.mine)).repeat(self.ep)
+        local = torch.arange(len(self.mine), device=incoming.device).repeat(self.ep)
         row_expert = local.repeat_interleave(incoming.reshape(-1))
         by_expert = torch.argsort(row_expert, stable=True)
         outputs, start = [], 0

@@ -234,6 +234,17 @@ def test_env_is_passed_to_ranks():
     assert parlib.launch(f, world_size=1) == [None]
 
 
+def test_a_device_asked_for_in_env_is_the_ranks_device():
+    # gloo over GPU tensors (two ranks on one GPU) is asked for this way: the launcher's own
+    # choice (the CPU under gloo) must not replace it
+    def f():
+        return str(parlib.device())
+
+    assert parlib.launch(f, world_size=2, backend="gloo", env={"PARLIB_DEVICE": "meta"}) == [
+        "meta", "meta"]
+    assert parlib.launch(f, world_size=2, backend="gloo") == ["cpu", "cpu"]
+
+
 @pytest.mark.slow
 def test_200_launches_leak_nothing():
     for _ in range(5):  # warm up caches and allocator pools
