@@ -6,10 +6,16 @@ sends ``comm_msg`` updates on that same shell socket while the poll is pending, 
 then (about 1 in 100 such cells here) the poll misses the reply's wake-up: the cell then
 waits out the whole cell timeout with the kernel idle, and completes as if nothing happened.
 Polling in slices of at most a second bounds that loss to one slice.
+
+The kernel is reached over Unix sockets in a private folder rather than TCP: ipykernel 7
+warns on stderr, for every kernel started over TCP without CurveZMQ keys, that its
+traffic is plain text, and that warning headed every ``parlib grade`` table.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from queue import Empty
 from typing import Any
@@ -17,7 +23,7 @@ from typing import Any
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.manager import AsyncKernelManager
-from traitlets import DottedObjectName, Type
+from traitlets import CaselessStrEnum, DottedObjectName, Type, default
 
 POLL_SLICE_S = 1.0
 
@@ -42,6 +48,25 @@ class SlicedKernelManager(AsyncKernelManager):
     # both: AsyncKernelManager gives client_factory a fixed default, not one from client_class
     client_class = DottedObjectName("parlib.course.nbclient.SlicedKernelClient")
     client_factory = Type(SlicedKernelClient)
+    # Unix sockets: only this user reaches them (the folder is 0700), and ipykernel does
+    # not warn about them as it does about unencrypted TCP
+    transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+
+    @default("ip")
+    def _ipc_path(self) -> str:
+        # a short path of our own: a socket's path must fit in 107 bytes, which the default
+        # (next to the connection file, under $HOME) can exceed
+        if self.transport != "ipc":
+            return super()._ip_default()
+        self._ipc_dir = tempfile.mkdtemp(prefix="parlib-kernel-")
+        return f"{self._ipc_dir}/k"
+
+    async def _async_cleanup_resources(self, restart: bool = False) -> None:
+        await super()._async_cleanup_resources(restart=restart)
+        if not restart and getattr(self, "_ipc_dir", None):
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    cleanup_resources = _async_cleanup_resources
 
 
 def notebook_client(nb: Any, **kwargs: Any) -> Any:
