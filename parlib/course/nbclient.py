@@ -23,7 +23,7 @@ from typing import Any
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.channels import AsyncZMQSocketChannel
 from jupyter_client.manager import AsyncKernelManager
-from traitlets import CaselessStrEnum, DottedObjectName, Type, default
+from traitlets import CaselessStrEnum, DottedObjectName, Type
 
 POLL_SLICE_S = 1.0
 
@@ -52,19 +52,24 @@ class SlicedKernelManager(AsyncKernelManager):
     # not warn about them as it does about unencrypted TCP
     transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
 
-    @default("ip")
-    def _ipc_path(self) -> str:
-        # a short path of our own: a socket's path must fit in 107 bytes, which the default
-        # (next to the connection file, under $HOME) can exceed
-        if self.transport != "ipc":
-            return super()._ip_default()
-        self._ipc_dir = tempfile.mkdtemp(prefix="parlib-kernel-")
-        return f"{self._ipc_dir}/k"
+    _ipc_dir: str | None = None
+
+    async def _async_pre_start_kernel(self, **kw: Any) -> tuple[list[str], dict[str, Any]]:
+        if self.transport == "ipc" and self._ipc_dir is None:
+            # a short path of our own, made only when a kernel starts: a socket's path must
+            # fit in 107 bytes, which the default (next to the connection file, under
+            # $HOME) can exceed
+            self._ipc_dir = tempfile.mkdtemp(prefix="parlib-kernel-")
+            self.ip = f"{self._ipc_dir}/k"
+        return await super()._async_pre_start_kernel(**kw)
+
+    pre_start_kernel = _async_pre_start_kernel
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:
         await super()._async_cleanup_resources(restart=restart)
-        if not restart and getattr(self, "_ipc_dir", None):
+        if not restart and self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     cleanup_resources = _async_cleanup_resources
 
