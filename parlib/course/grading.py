@@ -11,15 +11,17 @@ kernel has gone (and, in the sandbox, every process it left), the grader process
 each answer with its own registry (:func:`recheck`); a function runs only on ranks, child
 processes. The verdicts and scores the notebook wrote are ignored. The report lists every
 question the notebook's chapter declares (the ``NN`` of its name ``NN_*.ipynb``), each
-once, and only those count: a question whose check never ran is "not run", an answer to
-another chapter's question is ignored.
+once, in the order the notebook's cells name them, and only those count: a question
+whose check never ran is "not run", an answer to another chapter's question is ignored.
 
 Every notebook becomes a row whatever happens to it (missing, unreadable, stopped with
 an error, past a time limit, kernel or grader process killed, grading interrupted). The
 limits (per cell, per re-check, per notebook) are kept by the batch grader, outside the
 notebook's processes. ``--json`` is rewritten (atomically) after each notebook, so a crash
-loses at most the notebook in progress. What this does and does not protect against:
-README, "For instructors".
+loses at most the notebook in progress. The table shows each hint whole, wrapped, or
+cut past :data:`HINT_LINES` lines with a pointer to ``--json``; nothing the re-checks'
+ranks print reaches it. What this does and does not protect against: README, "For
+instructors".
 
 Exit status: 0 when every notebook ran to the end, 1 when one did not (its row says
 why), 2 for a usage error, 130 when interrupted.
@@ -28,13 +30,18 @@ why), 2 for a usage error, 130 when interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +172,8 @@ def report_for(path: Path, rows: list[dict[str, Any]], error: str | None,
             score = 0.0
         clean.append(_row(q.id, str(r.get("status")), score, q.points,
                           str(r.get("message") or "")))
+    order = {qid: i for i, qid in enumerate(notebook_order(path, own))}
+    clean.sort(key=lambda r: (order.get(r["id"], len(order)), r["id"]))  # the rest by id
     return {
         "notebook": str(path),
         "chapter": chapter_of(path),
@@ -175,6 +184,24 @@ def report_for(path: Path, rows: list[dict[str, Any]], error: str | None,
         "score": sum(r["score"] for r in clean),
         "max_score": sum(r["max_score"] for r in clean),
     }
+
+
+_QUOTED_ID = re.compile(r"""["'](\d\d\.[A-Za-z0-9_]+)["']""")
+
+
+def notebook_order(path: Path, declared: dict[str, Any]) -> list[str]:
+    """The ``declared`` question ids in the order the notebook's code cells first name them
+    (``parlib.check("00.ring_bytes", ...)``): the order a learner meets them. Empty when
+    the notebook cannot be read."""
+    try:
+        cells = json.loads(Path(path).read_text(encoding="utf-8")).get("cells", [])
+        sources = ["".join(c.get("source", "")) for c in cells if c.get("cell_type") == "code"]
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []
+    seen: dict[str, None] = {}
+    for src in sources:
+        seen.update((qid, None) for qid in _QUOTED_ID.findall(src) if qid in declared)
+    return list(seen)
 
 
 def _failed_report(path: Path, error: str, seconds: float = 0.0) -> dict[str, Any]:
@@ -206,20 +233,41 @@ def grade(path: Path, timeout: float = 600.0, progress: Path | None = None) -> d
         deleted = not log.exists()
         if deleted:
             error = f"{error}; {LOG_DELETED}" if error else LOG_DELETED
-        rows = recheck_log(log, chapter_of(path), deleted=deleted, progress=progress)
+        with _quiet():  # parlib's launch banner and the ranks' output: not the table's
+            rows = recheck_log(log, chapter_of(path), deleted=deleted, progress=progress)
     return report_for(path, rows, error, time.monotonic() - t0)
 
 
-def format_report(rep: dict[str, Any]) -> str:
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """``sys.stdout`` and ``sys.stderr`` to /dev/null meanwhile: what a learner's function
+    prints on its ranks during a re-check (its verdict says what went wrong); an
+    exception still propagates, and is printed once the streams are back."""
+    with open(os.devnull, "w", encoding="utf-8") as null, \
+            contextlib.redirect_stdout(null), contextlib.redirect_stderr(null):
+        yield
+
+
+HINT_LINES = 6  # at most this many lines of a hint; --json holds it whole
+
+
+def format_report(rep: dict[str, Any], json_path: str | None = None,
+                  width: int | None = None) -> str:
+    """A notebook's rows as a table, in the order the notebook asks its questions; a hint
+    is wrapped under its column to ``width`` (default: the terminal's, 120 when not a
+    terminal), and a very long one cut with a pointer to ``--json`` (``json_path`` when it
+    was given)."""
+    width = width or max(80, shutil.get_terminal_size((120, 24)).columns)
     lines = [f"{rep['notebook']}  (chapter {rep['chapter'] or '?'})"]
     rows = rep["questions"]
     w = max([len(r["id"]) for r in rows] + [8])
     for r in rows:
         pts = f"{fmt_points(float(r['score'] or 0))}/{fmt_points(float(r['max_score'] or 0))}"
-        msg = (r.get("message") or "").splitlines()[0] if r["status"] != "passed" else ""
-        if len(msg) > 90:
-            msg = msg[:87] + "..."
-        lines.append(f"  {r['id']:<{w}}  {r['status']:<13}  {pts:>7}  {msg}".rstrip())
+        head = f"  {r['id']:<{w}}  {r['status']:<13}  {pts:>7}  "
+        msg = (r.get("message") or "") if r["status"] != "passed" else ""
+        hint = _wrap(msg, max(40, width - len(head)), json_path)
+        lines.append((head + hint[0]).rstrip())
+        lines.extend(" " * len(head) + more for more in hint[1:])
     if not rows:
         lines.append("  (no questions declared for this chapter, and no checks ran)")
     total = f"{fmt_points(rep['score'])}/{fmt_points(rep['max_score'])}"
@@ -229,6 +277,17 @@ def format_report(rep: dict[str, Any]) -> str:
     if rep.get("sandboxed") is False:
         lines.append("  graded without a sandbox")
     return "\n".join(lines)
+
+
+def _wrap(message: str, width: int, json_path: str | None) -> list[str]:
+    """``message`` in lines of ``width``, at most :data:`HINT_LINES` of them: a longer one
+    ends with where to read it whole."""
+    lines = [part for para in message.splitlines() or [""]
+             for part in textwrap.wrap(para, width) or [""]]
+    if len(lines) <= HINT_LINES:
+        return lines
+    where = f"in {json_path}" if json_path else "with --json FILE"
+    return lines[:HINT_LINES - 1] + [f"[cut after {HINT_LINES - 1} lines: read it whole {where}]"]
 
 
 def _write_json(path: Path, reports: list[dict[str, Any]], complete: bool) -> None:
@@ -406,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             reports[i] = _failed_report(path, "grading was interrupted while this notebook ran")
             for j in range(i + 1, len(paths)):
                 reports[j] = _failed_report(paths[j], "not graded: grading was interrupted")
-        print(format_report(reports[i]), flush=True)
+        print(format_report(reports[i], args.json_path), flush=True)
         if args.json_path:
             done = not interrupted and i == len(paths) - 1
             _write_json(Path(args.json_path), reports, complete=done)

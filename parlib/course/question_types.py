@@ -24,40 +24,81 @@ from parlib.course.results import CheckFailed, NotAttempted
 
 
 def is_stub(answer: Any) -> bool:
-    """True for an unanswered placeholder: ``...``, ``None``, or a function whose body is
-    only a docstring, ``pass`` or ``...``."""
+    """True for an unanswered placeholder: ``...``, ``None``, or a function with no code of
+    its own: its body (after a docstring) only ``pass``, ``...`` or
+    ``raise NotImplementedError(...)``, the stub ``python -m parlib build`` writes, or
+    only classes whose methods are all such stubs and a ``return Cls.method(args)`` (the
+    autograd-Function exercises). Decided from the source alone, so an unwritten answer is
+    "not attempted" at once, before any rank starts."""
     if answer is Ellipsis or answer is None:
         return True
     if isinstance(answer, LearnerFunction):  # rebuilt from its source by the grader
-        return _source_body_is_empty(answer.code, answer.__name__)
+        return _source_is_stub(answer.code, answer.__name__)
     if callable(answer) and inspect.isfunction(answer):
         try:
-            return _source_body_is_empty(textwrap.dedent(inspect.getsource(answer)))
+            return _source_is_stub(textwrap.dedent(inspect.getsource(answer)))
         except (OSError, TypeError):
             return False
     return False
 
 
-def _source_body_is_empty(src: str, name: str | None = None) -> bool:
+def _source_is_stub(src: str, name: str | None = None) -> bool:
     try:
         tree = ast.parse(src)
     except (SyntaxError, IndentationError, ValueError):
         return False
     defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     named = [n for n in defs if n.name == name] if name else defs[:1]
-    node = named[-1] if named else None
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return False
-    body = list(node.body)
+    return bool(named) and _is_stub_def(named[-1])
+
+
+def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
     if (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
             and isinstance(body[0].value.value, str)):
-        body = body[1:]
-    return all(
-        isinstance(stmt, ast.Pass)
-        or (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)
-            and stmt.value.value is Ellipsis)
-        for stmt in body
-    )
+        return body[1:]
+    return body
+
+
+def _is_stub_def(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    body = _without_docstring(list(node.body))
+    if all(map(_is_stub_statement, body)):
+        return True
+    # the autograd-Function exercises: stub classes, then ``return Cls.apply(x, ...)``
+    *classes, last = body
+    stubs = {c.name for c in classes if isinstance(c, ast.ClassDef) and _is_stub_class(c)}
+    return bool(stubs) and len(stubs) == len(classes) and _returns_call_of(last, stubs)
+
+
+def _is_stub_statement(stmt: ast.stmt) -> bool:
+    """``pass``, ``...``, or ``raise NotImplementedError`` with no argument or one string:
+    a statement that can only mean "not written yet" (a raise under an ``if`` is code)."""
+    if isinstance(stmt, ast.Pass):
+        return True
+    if isinstance(stmt, ast.Expr):
+        return isinstance(stmt.value, ast.Constant) and stmt.value.value is Ellipsis
+    if not isinstance(stmt, ast.Raise) or stmt.cause is not None:
+        return False
+    exc = stmt.exc
+    if isinstance(exc, ast.Call) and not exc.keywords and len(exc.args) <= 1 \
+            and all(isinstance(a, ast.Constant) and isinstance(a.value, str)
+                    for a in exc.args):
+        exc = exc.func
+    return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+
+
+def _is_stub_class(node: ast.ClassDef) -> bool:
+    body = _without_docstring(list(node.body))
+    methods = [s for s in body if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return bool(methods) and all(
+        _is_stub_def(s) if s in methods else _is_stub_statement(s) for s in body)
+
+
+def _returns_call_of(stmt: ast.stmt, classes: set[str]) -> bool:
+    """``return Cls.attr(a, b)`` with ``Cls`` one of ``classes`` and plain names as args."""
+    call = stmt.value if isinstance(stmt, ast.Return) else None
+    return (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name) and call.func.value.id in classes
+            and not call.keywords and all(isinstance(a, ast.Name) for a in call.args))
 
 
 class Question:

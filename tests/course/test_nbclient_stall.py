@@ -55,3 +55,20 @@ def test_widget_cells_never_wait_out_the_cell_timeout():
     times = _cell_times(notebook_client)
     slow = [round(t, 1) for t in times if t > 5]
     assert not slow, f"{len(slow)} of {CELLS} widget cells stalled: {slow} s"
+
+
+def test_the_kernel_is_reached_over_a_private_unix_socket_removed_afterwards(tmp_path,
+                                                                            monkeypatch):
+    """Not TCP: ipykernel warns on stderr about every unencrypted TCP kernel, and that
+    warning headed every ``parlib grade`` table."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the socket folder goes
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "from ipykernel.connect import get_connection_info\n"
+        "info = get_connection_info(unpack=True)\n"
+        "print(info['transport'], info['ip'].startswith(" + repr(str(tmp_path)) + "))")]
+    notebook_client(nb, kernel_name="python3", timeout=60).execute()
+    assert nb.cells[0].outputs[0]["text"].split() == ["ipc", "True"]
+    assert list(tmp_path.iterdir()) == []  # the sockets' folder is gone with the kernel
