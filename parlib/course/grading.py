@@ -258,7 +258,7 @@ def format_report(rep: dict[str, Any], json_path: str | None = None,
     terminal), and a very long one cut with a pointer to ``--json`` (``json_path`` when it
     was given)."""
     width = width or max(80, shutil.get_terminal_size((120, 24)).columns)
-    lines = [f"{rep['notebook']}  (chapter {rep['chapter'] or '?'})"]
+    lines = [f"{rep['notebook']}  ({_chapter_name(rep['chapter'])})"]
     rows = rep["questions"]
     w = max([len(r["id"]) for r in rows] + [8])
     for r in rows:
@@ -360,6 +360,16 @@ def _grade_one(path: Path, limits: Limits, sandbox: bool, digest: str) -> dict[s
                                  time.monotonic() - t0)
             rep["sandboxed"] = sandbox
             return rep
+
+
+def _chapter_name(number: str | None) -> str:
+    """ "the launching chapter" for "00" (the course names chapters, never numbers them)."""
+    from parlib.chapters import chapter
+
+    try:
+        return chapter(number).name if number else "no chapter in its name"
+    except KeyError:
+        return f"no chapter numbered {number}"
 
 
 def _stopped_rows(path: Path, current: str | None) -> list[dict[str, Any]]:

@@ -95,7 +95,7 @@ def test_the_output_is_the_table_only(tmp_path):
                           str(tmp_path / "s.json")], env=env, capture_output=True,
                          text=True, timeout=500, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.startswith(f"{path}  (chapter 00)"), out.stdout
+    assert out.stdout.startswith(f"{path}  (the launching chapter)"), out.stdout
     assert "rank(s) on" not in out.stdout + out.stderr  # the launch banner
     assert "without encryption" not in out.stderr, out.stderr
     assert out.stderr == "", out.stderr

@@ -66,7 +66,8 @@ def test_emulated_overrun_is_small_and_positive():
 def test_measured_crossing_prices_latency_own_time_and_slack():
     from parlib.measure.crossings import CrossingFit
 
-    fit = CrossingFit(alpha=2e-4, beta=0.0, send_alpha=3e-4, send_beta=0.0, receive=1e-4)
+    # the whole crossing 0.5 ms, of which 0.3 ms posting the sends: a 0.2 ms latency
+    fit = CrossingFit(alpha=5e-4, beta=0.0, send_alpha=3e-4, send_beta=0.0, receive=1e-4)
     priced = lab.message_costs(fit, 4096, overrun=1e-4)
     assert priced == pytest.approx({"t_cross": 2e-4, "t_local": 2e-4, "t_slack": 1e-4})
     pred = lab.predict("gpipe", 4, 8, 8, StageCost(0.01, 0.02, 0.002), **priced)
