@@ -91,6 +91,13 @@ What the model assumes, in one place:
   DeepSpeed's pipeline engine refuses it, but Llama 3 405B trained that way (its FSDP
   shards gradients and optimizer state beside a 16-stage pipeline), so the model charges
   what it costs: a reduce-scatter of the stage's gradients every microbatch.
+- Overlap is not free: compute that runs beside a collective runs slower
+  (``Hardware.overlap_slowdown``; the presets 18.9%, a published mean), so every second of
+  communication hidden behind compute (``dp_sync_hidden``, ``cp_comm_hidden``) adds that
+  share of a second to ``dp_sync`` (``cp_comm``); ``dp_overlap_cost`` and
+  ``cp_overlap_cost`` hold what it added. With a unit's gather prefetched one unit ahead
+  (FSDP2's default depth), a unit's collectives hide behind the unit before it; the model
+  sums them over the phase, which is the same for equal layers.
 - Memory is that of the worst stage: first (embedding, most in flight) or last (output
   layer and its logits). Nothing is charged for framework buffers or fragmentation.
 """
@@ -583,12 +590,18 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         dp_hidden = min(dp_total, backward_share / m)
     if not dp_overlap:
         dp_hidden = 0.0
+    # the compute that runs beside a hidden collective runs slower: the hidden seconds cost
+    # overlap_slowdown of themselves again (charged with the part they hide in)
+    dp_slowdown = hardware.overlap_slowdown * dp_hidden
+    cp_slowdown = hardware.overlap_slowdown * cp_hidden
 
     time = {"compute": compute, "memory_bound": memory_bound, "tp_comm": tp_comm,
-            "cp_comm": cp_comm, "ep_comm": ep_comm,
-            "cp_comm_total": cp_total, "cp_comm_hidden": cp_hidden, "pp_bubble": pp_bubble,
-            "pp_send": pp_send, "dp_sync": dp_total - dp_hidden,
-            "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden}
+            "cp_comm": cp_comm + cp_slowdown, "ep_comm": ep_comm,
+            "cp_comm_total": cp_total, "cp_comm_hidden": cp_hidden,
+            "cp_overlap_cost": cp_slowdown, "pp_bubble": pp_bubble,
+            "pp_send": pp_send, "dp_sync": dp_total - dp_hidden + dp_slowdown,
+            "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden,
+            "dp_overlap_cost": dp_slowdown}
     return Estimate(model=model, hardware=hardware, layout=layout, m=m, v=v,
                    global_batch=global_batch, zero=zero, recompute=recompute, micro_batch=b,
                    memory=memory, time=time,

@@ -344,3 +344,22 @@ def test_zero2_with_a_pipeline_pays_a_reduce_scatter_per_microbatch():
     per = (10 + 0.5 * 4 * (2 * 872 + 160) * 10e-3) * 1e-6
     assert one.time["dp_sync_total"] == pytest.approx(2 * per)
     assert two.time["dp_sync_total"] == pytest.approx(5 * per)
+
+
+def test_hidden_communication_slows_the_compute_beside_it():
+    # the floor case above (536.16 us of the sync hidden, 142.32 us exposed) with compute
+    # 18.9% slower while a collective runs beside it: 0.189 x 536.16 = 101.33 us more
+    hw = TOY_HW.with_(devices_per_node=1, overlap_slowdown=0.189)
+    est = estimate(TOY, hw, Layout(dp=4), m=1, global_batch=160, zero=3, grad_reduce_bytes=4)
+    assert est.time["dp_sync_hidden"] == pytest.approx(536.16e-6)
+    assert est.time["dp_overlap_cost"] == pytest.approx(0.189 * 536.16e-6)
+    assert est.time["dp_sync"] == pytest.approx((142.32 + 0.189 * 536.16) * 1e-6)
+    # nothing hidden (dp_overlap=False): nothing slowed
+    none = estimate(TOY, hw, Layout(dp=4), m=1, global_batch=160, zero=3,
+                    grad_reduce_bytes=4, dp_overlap=False)
+    assert none.time["dp_overlap_cost"] == 0
+    assert none.time["dp_sync"] == pytest.approx(678.48e-6)
+    # the presets carry the published figure
+    from parlib.cost import Hardware
+    assert Hardware.dgx_h100(8).overlap_slowdown == 0.189
+    assert Hardware.dgx_h100(8).at_peak.overlap_slowdown == 0
