@@ -53,3 +53,17 @@ def test_table_prints_share_and_trend():
     inside = round(share * len(FOUNDRY_RUNS))
     assert f"{inside} of {len(FOUNDRY_RUNS)} rows ({share:.0%})" in table
     assert "models within 15%" in table
+
+
+def test_a_prediction_above_the_best_published_says_why():
+    from parlib.cost.foundry import against_published, best_published, median_ratio
+    best = best_published("A100")
+    # every MFU row on A100, published and foundry: the highest is the one picked
+    assert all(r.reported <= best.reported for r in FOUNDRY_RUNS
+               if r.hardware.generation == "A100")
+    ratios = sorted(r.ratio() for r in FOUNDRY_RUNS if r.hardware.generation == "A100")
+    assert median_ratio("A100") == ratios[len(ratios) // 2]  # 39 rows: the 20th
+    within = against_published(best.reported * 1.05, "A100")
+    assert within.endswith("within 10% of it.") and "Why" not in within
+    above = against_published(best.reported * 1.3, "A100")
+    assert "30% above it. Why:" in above and f"{median_ratio('A100'):.2f}" in above
