@@ -10,6 +10,9 @@ Sections, each a function printing one table:
   on 4096 H100s (target: under 1 s; median of repeats, each a fresh search), then its top 5 layouts.
 - ``published``: predicted against reported utilisation of the published runs in
   ``parlib.cost.published`` (``comparison_table``).
+- ``foundry``: predicted against reported MFU of every row of llm-foundry's FSDP benchmark
+  tables at sequence 2048 (``parlib.cost.foundry.foundry_table``): the share in band and,
+  per model, the ratio at its most GPUs over the ratio at its fewest.
 - ``ranking``: the model's order of the layouts of published sweeps against the measured
   order (``parlib.cost.sweeps.ranking_table``).
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
@@ -168,9 +171,17 @@ def ranking_section(args: argparse.Namespace) -> None:
     print(ranking_table())
 
 
+def foundry_section(args: argparse.Namespace) -> None:
+    from parlib.cost.foundry import foundry_table
+    print("\nllm-foundry's FSDP benchmarks, every model size x GPU count at sequence 2048: "
+          "predicted against reported (sources: parlib/cost/foundry.py)\n")
+    print(foundry_table())
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "plan": plan_section,
     "published": published_section,
+    "foundry": foundry_section,
     "ranking": ranking_section,
     "layouts": layouts_section,
 }

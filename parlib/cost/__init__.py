@@ -26,6 +26,8 @@ Built on them, the choosing chapter's cost model:
 - :mod:`parlib.cost.estimate`: ``estimate``, memory and step time of one layout.
 - :mod:`parlib.cost.planner`: ``best_layouts``, the fastest layouts that fit, with reasons.
 - :mod:`parlib.cost.published`: published runs to hold the model against.
+- :mod:`parlib.cost.foundry`: llm-foundry's FSDP benchmarks, every model size at every GPU
+  count, held against the model the same way.
 
 Each formula is written once, in the module named for it; the estimate and the planner call
 those functions rather than restating them.

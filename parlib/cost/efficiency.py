@@ -51,7 +51,11 @@ class Achievable:
     reach, ``multiprocessors`` the SMs a matmul's tiles spread over (0: a rate that does
     not depend on shape, as one measured here), ``nvlink_bandwidth`` the fraction of the
     datasheet's one-way NVLink bandwidth a ring all-reduce's bus bandwidth reaches inside a
-    node, and ``source`` where the numbers come from (or what was assumed)."""
+    node, ``collective_half_bytes`` the message size at which a collective reaches half
+    its large-message bus bandwidth (:func:`half_bandwidth_bytes`; 0: every size at the
+    peak), ``overlap_slowdown`` how much longer compute takes while a collective runs
+    beside it (0.189: 18.9% longer), and ``source`` where the numbers come from (or what was
+    assumed)."""
 
     generation: str
     matmul_fraction: float
@@ -59,6 +63,8 @@ class Achievable:
     source: str
     multiprocessors: int = 0
     nvlink_bandwidth: float = 1.0
+    collective_half_bytes: float = 0.0
+    overlap_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("matmul_fraction", "memory_bandwidth", "nvlink_bandwidth"):
@@ -66,6 +72,9 @@ class Achievable:
             if not 0 < value <= 1:
                 raise ValueError(f"{self.generation}: {name} must be a fraction in (0, 1], "
                                  f"got {value!r}")
+        if not 0 <= self.overlap_slowdown < 1:
+            raise ValueError(f"{self.generation}: overlap_slowdown must be in [0, 1), got "
+                             f"{self.overlap_slowdown!r}")
         if isinstance(self.multiprocessors, bool) or not isinstance(
                 self.multiprocessors, int) or self.multiprocessors < 0:
             raise ValueError(f"{self.generation}: multiprocessors must be an integer >= 0, "
@@ -85,6 +94,47 @@ _MEMORY_NOTE = "memory bandwidth: no published table, assumed 90% of the datashe
 # between nodes has no such table there and stays at its datasheet rate.
 _NVLINK_NOTE = "NVLink: all-reduce bus bandwidth at 16 GiB, ML Engineering network chapter"
 
+MiB = 2**20
+# All-reduce bus bandwidth by payload on one 8 x H200 node (NVLink 4, NVSwitch), GB/s:
+# stas00/ml-engineering, network/benchmarks/results/all-reduce-8xH200.md (nccl 2.27.7,
+# all_reduce_bench.py). Small messages reach a small share of the link: 40 GB/s at 1 MiB,
+# 220 at 16 MiB, 482 at 16 GiB.
+H200_ALLREDUCE_BUSBW = (
+    (32 * 2**10, 1.44), (64 * 2**10, 2.93), (128 * 2**10, 5.73), (256 * 2**10, 11.74),
+    (512 * 2**10, 23.94), (1 * MiB, 39.93), (2 * MiB, 64.53), (4 * MiB, 107.16),
+    (8 * MiB, 155.53), (16 * MiB, 219.89), (32 * MiB, 275.84), (64 * MiB, 346.51),
+    (128 * MiB, 401.93), (256 * MiB, 436.15), (512 * MiB, 450.29), (1024 * MiB, 463.58),
+    (2048 * MiB, 469.17), (4096 * MiB, 473.10), (8192 * MiB, 477.45), (16384 * MiB, 482.26))
+
+
+def half_bandwidth_bytes(curve: tuple[tuple[float, float], ...]) -> float:
+    """The payload (bytes) at which a measured bus-bandwidth ``curve`` ((bytes, GB/s) rows,
+    increasing) reaches half its largest payload's bandwidth, interpolated in log size
+    between the two rows around it. The H200 curve: half of 482.26 is 241.13 GB/s, between
+    16 MiB (219.89) and 32 MiB (275.84): 16 MiB x 2^0.380 = 20.8 MiB."""
+    top = curve[-1][1] / 2
+    for (n0, b0), (n1, b1) in zip(curve, curve[1:]):
+        if b0 <= top <= b1:
+            share = (top - b0) / (b1 - b0)
+            return n0 * (n1 / n0) ** share
+    raise ValueError("the curve never crosses half its largest bandwidth")
+
+
+# One half-size for every generation and both links: the only published curve by size is
+# the H200's; the A100's NVLink 3 and the InfiniBand between nodes are assumed to follow it
+# (an assumption, stated as one).
+_HALF = half_bandwidth_bytes(H200_ALLREDUCE_BUSBW)
+# Compute beside NCCL kernels runs slower (they take SMs, memory bandwidth and power): Lee et
+# al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+# Learning" (arXiv 2507.03114), GPT and Llama training on 4 A100s, H100s, MI250s and MI210s:
+# overlapped, compute took 18.9% longer on average (up to 40%). One figure for every
+# generation: the paper's mean over them.
+OVERLAP_SLOWDOWN = 0.189
+_OVERLAP_NOTE = ("compute beside collectives 18.9% slower: Lee et al. 2025 (arXiv "
+                 "2507.03114), mean over A100, H100, MI250, MI210")
+_HALF_NOTE = ("collectives by size: half the peak bus bandwidth at 20.8 MiB, the H200 "
+              "curve of ML Engineering's all-reduce-8xH200 results (assumed for every link)")
+
 ACHIEVABLE: dict[str, Achievable] = {
     # Stas Bekman, "Machine Learning Engineering", compute/accelerator, the "Maximum
     # Achievable Matmul FLOPS comparison table" (BF16, no sparsity): A100 SXM 267.9 of 312
@@ -92,21 +142,26 @@ ACHIEVABLE: dict[str, Achievable] = {
     "A100": Achievable("A100", 267.9 / 312, _ASSUMED_MEMORY,
                        "MAMF table, ML Engineering (Bekman): 267.9 of 312 TFLOPS; "
                        + _MEMORY_NOTE + "; 108 SMs (NVIDIA A100 datasheet); " + _NVLINK_NOTE
-                       + ": 234.89 of 300 GB/s",
-                       multiprocessors=108, nvlink_bandwidth=234.89 / 300),
+                       + ": 234.89 of 300 GB/s; " + _HALF_NOTE + "; " + _OVERLAP_NOTE,
+                       multiprocessors=108, nvlink_bandwidth=234.89 / 300,
+                       collective_half_bytes=_HALF, overlap_slowdown=OVERLAP_SLOWDOWN),
     # Same table: H100 SXM 792.1 of 989 TFLOPS, 80.1% (CUDA 12.1, 6144x17920x2816).
     "H100": Achievable("H100", 792.1 / 989, _ASSUMED_MEMORY,
                        "MAMF table, ML Engineering (Bekman): 792.1 of 989 TFLOPS; "
                        + _MEMORY_NOTE + "; 132 SMs (H100 SXM5, NVIDIA Hopper whitepaper); "
-                       + _NVLINK_NOTE + ": the H200's NVLink 4 ring, 367.61 of 450 GB/s",
-                       multiprocessors=132, nvlink_bandwidth=367.61 / 450),
+                       + _NVLINK_NOTE + ": the H200's NVLink 4 ring, 367.61 of 450 GB/s; "
+                       + _HALF_NOTE + "; " + _OVERLAP_NOTE,
+                       multiprocessors=132, nvlink_bandwidth=367.61 / 450,
+                       collective_half_bytes=_HALF, overlap_slowdown=OVERLAP_SLOWDOWN),
     # The book's later table lists "H100/H200 SXM" together at 794.5 of 989 TFLOPS (80.3%):
     # the same chip with more and faster memory.
     "H200": Achievable("H200", 794.5 / 989, _ASSUMED_MEMORY,
                        "MAMF table, ML Engineering (Bekman): H100/H200 SXM 794.5 of 989 "
                        "TFLOPS; " + _MEMORY_NOTE + "; 132 SMs (the H100's chip); "
-                       + _NVLINK_NOTE + ": NVLink 4 ring, 367.61 of 450 GB/s",
-                       multiprocessors=132, nvlink_bandwidth=367.61 / 450),
+                       + _NVLINK_NOTE + ": NVLink 4 ring, 367.61 of 450 GB/s; " + _HALF_NOTE
+                       + "; " + _OVERLAP_NOTE,
+                       multiprocessors=132, nvlink_bandwidth=367.61 / 450,
+                       collective_half_bytes=_HALF, overlap_slowdown=OVERLAP_SLOWDOWN),
     # A rate measured here (parlib.measure.matmul_rate) is already what this machine
     # achieves: nothing left to discount.
     "measured": Achievable("measured", 1.0, 1.0,
@@ -165,5 +220,6 @@ def matmul_fraction(generation: str, rows: int, inner: int, cols: int, batch: in
                                                   multiprocessors=row.multiprocessors)
 
 
-__all__ = ["ACHIEVABLE", "TILE", "WAVE_TAIL", "Achievable", "achievable",
-           "achievable_fraction", "matmul_fraction", "matmul_time", "shape_efficiency"]
+__all__ = ["ACHIEVABLE", "H200_ALLREDUCE_BUSBW", "OVERLAP_SLOWDOWN", "TILE", "WAVE_TAIL",
+           "Achievable", "achievable", "achievable_fraction", "half_bandwidth_bytes",
+           "matmul_fraction", "matmul_time", "shape_efficiency"]

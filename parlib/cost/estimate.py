@@ -65,18 +65,39 @@ What the model assumes, in one place:
   bubble_fraction(p, m, v) of the step; each of the v*m + p - 1 slots sends one boundary
   forward and one back, 1/t of it per TP rank (Megatron's scatter/gather). The first stage
   holds in_flight_microbatches(p, m, v) microbatches (chunks) of activations.
-- Data parallelism: the gradient sync (ZeRO-1/2: reduce-scatter + all-gather, ZeRO-3: both
-  per microbatch) overlaps the backward of the last microbatch. ZeRO-3 overlaps by phase:
-  each microbatch's forward gathers hide behind forward compute, its backward gathers and
+- Data parallelism: the sync runs as one collective per unit, never one for the model
+  (:func:`sync_collectives`): plain data parallelism one all-reduce per gradient bucket
+  (Megatron-LM's max(40M, 1M x ranks) elements, :func:`bucket_elements`), ZeRO-1 a
+  reduce-scatter and an all-gather per bucket, ZeRO-2 the same but the reduce-scatters
+  every microbatch (sharded gradients cannot accumulate whole), ZeRO-3 (FSDP) per layer and
+  for the root (embedding, output layer) per microbatch two all-gathers and a
+  reduce-scatter. Each collective pays its algorithm's latency (rings for gathers and
+  scatters, NCCL's tree for an all-reduce where that is faster:
+  :func:`~parlib.cost.collectives.nccl_algorithm`) and its bytes at the bus bandwidth of its
+  message's size (``Hardware.collective_half_bytes``,
+  :func:`~parlib.cost.collectives.size_efficiency`); TP's all-reduces and EP's all-to-alls
+  too. Stages 0-1: the sync overlaps the backward of the last microbatch; ZeRO-2: every
+  microbatch's reduce-scatter overlaps its own backward. ZeRO-3 overlaps by phase: each
+  microbatch's forward gathers hide behind forward compute, its backward gathers and
   reduce-scatters behind backward compute (recomputation included): a gradient cannot be
-  sent before the backward makes it, so backward traffic never hides behind the forward.
-  (The first layer's gather and the last reduce-scatter, 1/L of each, are not charged as
-  exposed.) The gradients go at their own dtype's bytes (2 in mixed precision) unless
-  ``grad_reduce_bytes`` says otherwise (4: an fp32 reduction, FSDP2's reduce_dtype).
-  The rest of the sync is exposed. ZeRO-3 with a pipeline (p > 1) is refused: every stage would
-  re-gather its weights for each microbatch's forward and backward (v x m times a step,
-  on the links the pipeline also uses), which DeepSpeed refuses too; ZeRO-1 or 2 with
-  the pipeline keep the weights whole between microbatches.
+  sent before the backward makes it, so backward traffic never hides behind the forward;
+  and each microbatch's first forward gather, first backward gather and last
+  reduce-scatter (one layer's each) hide behind nothing. The gradients go at their own
+  dtype's bytes (2 in mixed precision) unless ``grad_reduce_bytes`` says otherwise (4: an
+  fp32 reduction, FSDP2's reduce_dtype). The rest of the sync is exposed. ZeRO-3 with a
+  pipeline (p > 1) is refused: every stage would re-gather its weights for each
+  microbatch's forward and backward (v x m times a step, on the links the pipeline also
+  uses), which DeepSpeed refuses too. ZeRO-2 with a pipeline is charged, not refused:
+  DeepSpeed's pipeline engine refuses it, but Llama 3 405B trained that way (its FSDP
+  shards gradients and optimizer state beside a 16-stage pipeline), so the model charges
+  what it costs: a reduce-scatter of the stage's gradients every microbatch.
+- Overlap is not free: compute that runs beside a collective runs slower
+  (``Hardware.overlap_slowdown``; the presets 18.9%, a published mean), so every second of
+  communication hidden behind compute (``dp_sync_hidden``, ``cp_comm_hidden``) adds that
+  share of a second to ``dp_sync`` (``cp_comm``); ``dp_overlap_cost`` and
+  ``cp_overlap_cost`` hold what it added. With a unit's gather prefetched one unit ahead
+  (FSDP2's default depth), a unit's collectives hide behind the unit before it; the model
+  sums them over the phase, which is the same for equal layers.
 - Memory is that of the worst stage: first (embedding, most in flight) or last (output
   layer and its logits). Nothing is charged for framework buffers or fragmentation.
 """
@@ -464,7 +485,9 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         per_layer_count = sum(ALL_REDUCES_PER_LAYER[x] for x in passes)
         one_all_reduce = collective_time("all_reduce",
                                          tp_message_bytes(b, s_local, h, act_bytes),
-                                         t, rings["tp"].alpha, rings["tp"].beta)
+                                         t, rings["tp"].alpha, rings["tp"].beta,
+                                         half_bytes=hardware.collective_half_bytes,
+                                         algorithm="nccl")
         tp_comm = m * slowest * per_layer_count * one_all_reduce
         tp_bytes = m * slowest * tp_sent_bytes_per_layer(b, s_local, h, t, act_bytes, passes)
 
@@ -500,7 +523,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
             tokens_here, h, model.top_k, act_bytes, passes_ep)
         count = 2 * len(passes_ep)  # dispatch and combine, each pass
         one = collective_time("all_to_all", per_layer_bytes / count, e, links["ep"].alpha,
-                              links["ep"].beta)
+                              links["ep"].beta, half_bytes=hardware.collective_half_bytes)
         ep_comm = m * slowest * count * one
         ep_bytes = m * slowest * per_layer_bytes * (e - 1) / e  # the share that leaves
     busy = compute + memory_bound + tp_comm + cp_comm + ep_comm
@@ -521,43 +544,64 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     # (the experts' gradients sync over their d x c / e copies)
     dp_total = dp_bytes = 0.0
     forward_gathers = 0.0  # ZeRO-3: the part of dp_total sent during forwards
+    exposed_floor = 0.0  # ZeRO-3: the collectives no compute can hide (one unit's each)
     sync = d * c
     link = rings["sync"]
-    for group, weights in ((sync, params_per_device), (sync // e, experts_per_device)):
+    half = hardware.collective_half_bytes
+    for group, weights, unit_weights in (
+            (sync, params_per_device, dense_layer / t),
+            (sync // e, experts_per_device, expert_layer / t)):
         if group == 1 or not weights:
             continue
+        root = max(0.0, weights - slowest * unit_weights)  # embedding, output layer
         per = model_state_bytes_by_kind(weights, 1, 0, mixed_precision)
-        grads = per["grads"] if grad_reduce_bytes is None else weights * grad_reduce_bytes
-        if zero == 0:
-            ops = [(1, "all_reduce", grads)]
-        elif zero in (1, 2):
-            ops = [(1, "reduce_scatter", grads), (1, "all_gather", per["params"])]
-        else:  # ZeRO-3 gathers the weights for forward and again for backward, every microbatch
-            ops = [(2 * m, "all_gather", per["params"]), (m, "reduce_scatter", grads)]
-        seconds = [k * collective_time(op, nbytes, group, link.alpha, link.beta)
+        grad_bytes = per["grads"] / weights if grad_reduce_bytes is None else grad_reduce_bytes
+        param_bytes = per["params"] / weights
+        ops = sync_collectives(slowest, unit_weights, root, group, zero, m, grad_bytes,
+                               param_bytes)
+        seconds = [k * collective_time(op, nbytes, group, link.alpha, link.beta,
+                                       half_bytes=half, algorithm="nccl")
                    for k, op, nbytes in ops]
-        if zero == 3:  # half the gathers are the forwards'
-            forward_gathers += seconds[0] / 2
+        if zero == 3:  # ops: the forwards' gathers, the backwards' gathers, the scatters
+            forward_gathers += seconds[0] + seconds[1]
+            exposed_floor += sum(collective_time(op, unit_weights * b, group, link.alpha,
+                                                 link.beta, half_bytes=half)
+                                 for op, b in (("all_gather", param_bytes),
+                                               ("all_gather", param_bytes),
+                                               ("reduce_scatter", grad_bytes))) * m
         dp_total += sum(seconds)
         dp_bytes += sum(k * predicted_sent_bytes(op, nbytes, group) for k, op, nbytes in ops)
+    backward_share = busy * (model_flops / hardware_flops) * (2 / 3)  # all microbatches'
     if zero == 3:
         # by phase: the forwards' gathers behind forward compute (1/3 of the model FLOPs),
-        # the backwards' gathers and reduce-scatters behind the rest, recomputation included
+        # the backwards' gathers and reduce-scatters behind the rest, recomputation included;
+        # the first gather of each forward and of each backward and the last reduce-scatter
+        # wait for nothing to hide behind
         forward = busy * model_flops / (1 + BACKWARD_PER_FORWARD) / hardware_flops
         dp_hidden = (min(forward_gathers, forward)
                      + min(dp_total - forward_gathers, busy - forward))
+        dp_hidden = max(0.0, min(dp_hidden, dp_total - exposed_floor))
+    elif zero == 2:
+        # every microbatch's gradients are reduce-scattered during its own backward
+        dp_hidden = min(dp_total, backward_share)
     else:
         # Gradients of the last microbatch appear during its backward: 2/3 of its model
         # FLOPs (recomputed forwards produce no gradients, so they widen no window).
-        dp_hidden = min(dp_total, busy * (model_flops / hardware_flops) / m * (2 / 3))
+        dp_hidden = min(dp_total, backward_share / m)
     if not dp_overlap:
         dp_hidden = 0.0
+    # the compute that runs beside a hidden collective runs slower: the hidden seconds cost
+    # overlap_slowdown of themselves again (charged with the part they hide in)
+    dp_slowdown = hardware.overlap_slowdown * dp_hidden
+    cp_slowdown = hardware.overlap_slowdown * cp_hidden
 
     time = {"compute": compute, "memory_bound": memory_bound, "tp_comm": tp_comm,
-            "cp_comm": cp_comm, "ep_comm": ep_comm,
-            "cp_comm_total": cp_total, "cp_comm_hidden": cp_hidden, "pp_bubble": pp_bubble,
-            "pp_send": pp_send, "dp_sync": dp_total - dp_hidden,
-            "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden}
+            "cp_comm": cp_comm + cp_slowdown, "ep_comm": ep_comm,
+            "cp_comm_total": cp_total, "cp_comm_hidden": cp_hidden,
+            "cp_overlap_cost": cp_slowdown, "pp_bubble": pp_bubble,
+            "pp_send": pp_send, "dp_sync": dp_total - dp_hidden + dp_slowdown,
+            "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden,
+            "dp_overlap_cost": dp_slowdown}
     return Estimate(model=model, hardware=hardware, layout=layout, m=m, v=v,
                    global_batch=global_batch, zero=zero, recompute=recompute, micro_batch=b,
                    memory=memory, time=time,
@@ -569,6 +613,49 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                    stage_layers=list(per_stage),
                    crossing={"tp": hardware.ring_crossing_share(spans["tp"], t),
                              "dp": hardware.ring_crossing_share(sync_span, d * c)})
+
+
+# Megatron-LM's gradient buckets: max(40M, 1M x data-parallel size) elements per bucket
+# (megatron/core/distributed/distributed_data_parallel.py, bucket_size); every stage-0-2
+# sync is charged in buckets of that size, each a collective of its own.
+BUCKET_ELEMENTS = 40_000_000
+BUCKET_ELEMENTS_PER_RANK = 1_000_000
+
+
+def bucket_elements(group: int) -> int:
+    """Elements per gradient bucket for a sync over ``group`` ranks: max(40M, 1M x group)."""
+    return max(BUCKET_ELEMENTS, BUCKET_ELEMENTS_PER_RANK * group)
+
+
+def sync_collectives(layers: int, unit_weights: float, root_weights: float, group: int,
+                     zero: int, m: int, grad_bytes: float,
+                     param_bytes: float) -> list[tuple[int, str, float]]:
+    """The data-parallel sync of one step as (count, op, bytes of one collective): one
+    collective per unit or bucket, never one for the whole model.
+
+    A rank holds ``layers`` layers of ``unit_weights`` elements each plus ``root_weights``
+    (embedding, output layer), synced over ``group`` ranks, ``m`` microbatches a step,
+    gradients sent at ``grad_bytes`` per element and weights at ``param_bytes``.
+    ZeRO-0: one all-reduce per bucket (:func:`bucket_elements`); ZeRO-1: one reduce-scatter
+    and one all-gather per bucket; ZeRO-2 as ZeRO-1 but the gradients reduce-scattered every
+    microbatch (sharded gradients cannot accumulate whole: m reduce-scatters a step);
+    ZeRO-3 (FSDP) per unit (each layer, and the root's weights as one more unit), every
+    microbatch: an all-gather before the forward, another before the backward, a
+    reduce-scatter after it. ZeRO-3's list is always six entries: the forwards' gathers
+    (layers, root), the backwards' (layers, root), the reduce-scatters (layers, root)."""
+    if zero == 3:
+        units = ((m * layers, unit_weights), (m * bool(root_weights), root_weights))
+        gathers = [(k, "all_gather", w * param_bytes) for k, w in units]
+        return gathers + gathers + [(k, "reduce_scatter", w * grad_bytes) for k, w in units]
+    weights = layers * unit_weights + root_weights
+    size = bucket_elements(group)
+    full, rest = divmod(weights, size)
+    buckets = [(int(full), size)] * bool(full) + [(1, rest)] * bool(rest > 0)
+    if zero == 0:
+        return [(k, "all_reduce", w * grad_bytes) for k, w in buckets]
+    scatters = m if zero == 2 else 1
+    return ([(scatters * k, "reduce_scatter", w * grad_bytes) for k, w in buckets]
+            + [(k, "all_gather", w * param_bytes) for k, w in buckets])
 
 
 @lru_cache(maxsize=16384)
@@ -628,5 +715,6 @@ def _where(hardware: Hardware, span: int, degree: int) -> str:
     return "intra-node" if hardware.in_one_node(span) else "inter-node"
 
 
-__all__ = ["MEMORY_PARTS", "RECOMPUTE", "STEP_PARTS", "ZERO3_WITH_PIPELINE", "Estimate",
-           "check_layout", "estimate"]
+__all__ = ["BUCKET_ELEMENTS", "BUCKET_ELEMENTS_PER_RANK", "MEMORY_PARTS", "RECOMPUTE",
+           "STEP_PARTS", "ZERO3_WITH_PIPELINE", "Estimate", "bucket_elements", "check_layout",
+           "estimate", "sync_collectives"]

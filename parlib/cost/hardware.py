@@ -62,7 +62,9 @@ def _achievable(generation: str) -> dict[str, Any]:
     row = achievable(generation)
     return {"generation": generation, "compute_efficiency": row.matmul_fraction,
             "memory_efficiency": row.memory_bandwidth, "multiprocessors": row.multiprocessors,
-            "intra_node_efficiency": row.nvlink_bandwidth}
+            "intra_node_efficiency": row.nvlink_bandwidth,
+            "collective_half_bytes": row.collective_half_bytes,
+            "overlap_slowdown": row.overlap_slowdown}
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,12 @@ class Hardware:
     every shape at ``achievable_flops``. ``intra_node_efficiency`` is the fraction of
     ``intra_node``'s (datasheet) bandwidth collectives reach inside a node (the presets:
     their generation's measured NVLink fraction); :meth:`link_for` returns the node's
-    link at that rate.
+    link at that rate. ``collective_half_bytes`` (the presets: 20.8 MiB, from a measured
+    nccl-tests curve) charges each collective at the bus bandwidth of its message's size,
+    half the link's at that size (:func:`parlib.cost.collectives.size_efficiency`); 0
+    charges every size at the link's rate. ``overlap_slowdown`` (the presets: 0.189, a
+    published measurement) is how much longer compute takes while a collective runs beside
+    it: every second of communication hidden behind compute costs that much compute time.
     """
 
     n_devices: int
@@ -101,6 +108,8 @@ class Hardware:
     generation: str = ""
     multiprocessors: int = 0
     intra_node_efficiency: float = 1.0
+    collective_half_bytes: float = 0.0
+    overlap_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         for field in ("n_devices", "devices_per_node"):
@@ -122,6 +131,11 @@ class Hardware:
                 self.multiprocessors, int) or self.multiprocessors < 0:
             raise ValueError(f"multiprocessors must be an integer >= 0 (0: the matmul rate "
                              f"does not depend on shape), got {self.multiprocessors!r}")
+        if not 0 <= self.overlap_slowdown < 1:
+            raise ValueError(f"overlap_slowdown must be in [0, 1), got {self.overlap_slowdown!r}")
+        if not self.collective_half_bytes >= 0:
+            raise ValueError(f"collective_half_bytes must be >= 0, got "
+                             f"{self.collective_half_bytes!r}")
         if not self.memory_bandwidth > 0:
             raise ValueError(f"memory_bandwidth must be > 0 bytes/s, got "
                              f"{self.memory_bandwidth!r}")
@@ -146,7 +160,8 @@ class Hardware:
         every matmul shape at that rate (an upper bound, as the cost model was before it
         counted achievable rates)."""
         return replace(self, compute_efficiency=1.0, memory_efficiency=1.0, multiprocessors=0,
-                       intra_node_efficiency=1.0)
+                       intra_node_efficiency=1.0, collective_half_bytes=0.0,
+                       overlap_slowdown=0.0)
 
     @property
     def n_nodes(self) -> int:

@@ -57,41 +57,63 @@ def test_sync_after_backward_hides_nothing():
 
 def test_zero3_hides_each_phase_behind_its_own_compute():
     # d=4, one device per node (10 us + 100 MB/s each), m=1, b=4: 64 tokens, mixed
-    # precision, gradients reduce-scattered in fp32. All 3808 parameters on every device.
+    # precision, gradients reduce-scattered in fp32. All 3808 parameters on every device:
+    # 4 layers (units) of 872 and a root unit of 320 (embedding 160, head 160).
     kw = dict(m=1, global_batch=16, zero=3)
     one_per_node = TOY_HW.with_(devices_per_node=1)
     est = estimate(TOY, one_per_node, Layout(dp=4), grad_reduce_bytes=4, **kw)
     assert est.time["memory_bound"] == est.time["tp_comm"] == 0
     # compute: 20736 FLOPs/token x 64 tokens / 4 devices / 1e9 = 331.776 us; forward a third
     assert est.time["compute"] == pytest.approx(331.776e-6)
-    # all-gather of bf16 weights, 7616 B: 3 x 10 us + 3/4 x 7616 B x 10 ns = 87.12 us, once
-    # for forward and once for backward; reduce-scatter of fp32 grads, 15232 B: 144.24 us
-    assert est.time["dp_sync_total"] == pytest.approx((2 * 87.12 + 144.24) * 1e-6)
+    # one collective per unit, each paying its ring's 3 alphas (30 us): a layer's bf16
+    # gather, 1744 B: 30 + 3/4 x 1744 x 10 ns = 43.08 us; the root's, 640 B: 34.8 us;
+    # forward 4 x 43.08 + 34.8 = 207.12 us, backward the same; fp32 reduce-scatters of
+    # 3488 B (56.16 us) and 1280 B (39.6 us): 264.24 us
+    assert est.time["dp_sync_total"] == pytest.approx((2 * 207.12 + 264.24) * 1e-6)
     assert est.bytes_sent["dp"] == pytest.approx(2 * 0.75 * 7616 + 0.75 * 15232)
-    # forward: 87.12 us behind 110.592 us, all hidden; backward: 87.12 + 144.24 = 231.36 us
-    # behind 221.184 us, 10.176 us exposed, though the whole sync (318.48 us) is shorter than
-    # the whole compute: backward traffic cannot hide behind the forward
-    assert est.time["dp_sync_hidden"] == pytest.approx((87.12 + 221.184) * 1e-6)
-    assert est.time["dp_sync"] == pytest.approx(10.176e-6)
-    # in bf16 the reduce-scatter is 30 + 57.12 us: 174.24 us of backward traffic, all hidden
+    # forward: 207.12 us behind 110.592 us; backward: 207.12 + 264.24 us behind 221.184 us:
+    # 331.776 us hidden, 346.704 us exposed (one collective for the whole model, as before
+    # the units, paid 3 alphas instead of 15 and exposed 10.176 us)
+    assert est.time["dp_sync_hidden"] == pytest.approx(331.776e-6)
+    assert est.time["dp_sync"] == pytest.approx(346.704e-6)
+    # in bf16 the reduce-scatters are 43.08 and 34.8 us: 621.36 us in all, 289.584 exposed
     bf16 = estimate(TOY, one_per_node, Layout(dp=4), **kw)
-    assert bf16.time["dp_sync_total"] == pytest.approx(3 * 87.12e-6)
-    assert bf16.time["dp_sync"] == pytest.approx(0)
+    assert bf16.time["dp_sync_total"] == pytest.approx(3 * 207.12e-6)
+    assert bf16.time["dp_sync"] == pytest.approx((621.36 - 331.776) * 1e-6)
+
+
+def test_zero3_cannot_hide_the_first_gathers_and_the_last_scatter():
+    # ten times the tokens (b=40): 3317.76 us of compute, forward 1105.92 us, enough to hide
+    # all 678.48 us of the sync; but each microbatch's first forward gather and first
+    # backward gather (43.08 us each) and its last reduce-scatter (56.16 us) wait for no
+    # compute: 142.32 us stay exposed
+    est = estimate(TOY, TOY_HW.with_(devices_per_node=1), Layout(dp=4), m=1,
+                   global_batch=160, zero=3, grad_reduce_bytes=4)
+    assert est.time["compute"] == pytest.approx(3317.76e-6)
+    assert est.time["dp_sync_total"] == pytest.approx(678.48e-6)
+    assert est.time["dp_sync"] == pytest.approx(142.32e-6)
+    # two microbatches: twice the units' collectives, twice the floor
+    two = estimate(TOY, TOY_HW.with_(devices_per_node=1), Layout(dp=4), m=2,
+                   global_batch=160, zero=3, grad_reduce_bytes=4)
+    assert two.time["dp_sync_total"] == pytest.approx(2 * 678.48e-6)
+    assert two.time["dp_sync"] == pytest.approx(2 * 142.32e-6)
 
 
 def test_a_ring_across_nodes_shares_the_nodes_links():
     # d=4 over two nodes of 2, fp32, no ZeRO: each rank all-reduces 3808 x 4 = 15232 B.
     # Two ranks a node send half their ring bytes over the 100 MB/s links, two links at
-    # once: 200 MB/s (5 ns a byte), 10 us a step: 6 x 10 us + 2 x 3/4 x 15232 B x 5 ns
+    # once: 200 MB/s (5 ns a byte), 10 us a step. A ring: 6 x 10 us + 2 x 3/4 x 15232 B x
+    # 5 ns = 174.24 us; NCCL's tree: 4 x 10 us + 114.24 us / 0.92 = 164.17 us, the pick
     est = estimate(TOY, TOY_HW, Layout(dp=4), m=1, global_batch=4, mixed_precision=False)
-    assert est.time["dp_sync_total"] == pytest.approx((60 + 114.24) * 1e-6)
+    assert est.time["dp_sync_total"] == pytest.approx((40 + 114.24 / 0.92) * 1e-6)
     assert est.bytes_sent["dp"] == pytest.approx(2 * 0.75 * 15232)
     assert est.crossing["dp"] == 0.5
     assert est.inter_node_bytes == pytest.approx(0.75 * 15232)  # half of it leaves the node
-    # one rank a node: every byte over its own link, 100 MB/s
+    # one rank a node: every byte over its own link, 100 MB/s: ring 60 + 228.48 = 288.48 us,
+    # tree 40 + 228.48 / 0.92 = 288.35 us
     apart = estimate(TOY, TOY_HW.with_(devices_per_node=1), Layout(dp=4), m=1,
                      global_batch=4, mixed_precision=False)
-    assert apart.time["dp_sync_total"] == pytest.approx((60 + 228.48) * 1e-6)
+    assert apart.time["dp_sync_total"] == pytest.approx((40 + 228.48 / 0.92) * 1e-6)
     assert apart.crossing["dp"] == 1 and apart.inter_node_bytes == apart.bytes_sent["dp"]
 
 
@@ -284,3 +306,60 @@ def test_impossible_inputs_are_named(kw, message):
     with pytest.raises(ValueError, match=message):
         layout, settings = split(kw)
         estimate(BIG, hardware, layout, **settings)
+
+
+def test_the_sync_is_one_collective_per_bucket_or_unit():
+    from parlib.cost.estimate import bucket_elements, sync_collectives
+    # Megatron's buckets: max(40M, 1M x ranks) elements
+    assert bucket_elements(8) == 40_000_000 and bucket_elements(64) == 64_000_000
+    # 100M elements (10 layers of 9M + a root of 10M) over 64 ranks in bf16: a bucket of 64M
+    # and one of 36M, one all-reduce each
+    ops = sync_collectives(10, 9e6, 10e6, 64, 0, 4, 2, 2)
+    assert ops == [(1, "all_reduce", 128e6), (1, "all_reduce", 72e6)]
+    # ZeRO-1: a reduce-scatter and an all-gather per bucket, once a step
+    assert sync_collectives(10, 9e6, 10e6, 64, 1, 4, 2, 2) == [
+        (1, "reduce_scatter", 128e6), (1, "reduce_scatter", 72e6),
+        (1, "all_gather", 128e6), (1, "all_gather", 72e6)]
+    # ZeRO-2: sharded gradients cannot accumulate whole: every microbatch reduce-scatters
+    assert sync_collectives(10, 9e6, 10e6, 64, 2, 4, 2, 2)[:2] == [
+        (4, "reduce_scatter", 128e6), (4, "reduce_scatter", 72e6)]
+    # ZeRO-3: per microbatch, per layer and for the root, two gathers and a reduce-scatter
+    # (gradients in fp32, 4 bytes; weights in bf16, 2)
+    assert sync_collectives(10, 9e6, 10e6, 64, 3, 4, 4, 2) == [
+        (40, "all_gather", 18e6), (4, "all_gather", 20e6),
+        (40, "all_gather", 18e6), (4, "all_gather", 20e6),
+        (40, "reduce_scatter", 36e6), (4, "reduce_scatter", 40e6)]
+
+
+def test_zero2_with_a_pipeline_pays_a_reduce_scatter_per_microbatch():
+    # d=2 x p=2 of TOY, m=4, fp32, one device per node (10 us + 100 MB/s): a stage holds 2
+    # layers (1744 elements) plus the embedding's 160 (first stage, the worst's memory):
+    # 1904 elements, 7616 B. ZeRO-1: one reduce-scatter (one step, 10 us, + 7616 B / 2 x
+    # 10 ns = 48.08 us) and one all-gather (48.08 us); ZeRO-2: four reduce-scatters and the
+    # gather, 5 x 48.08 us
+    kw = dict(m=4, global_batch=16, mixed_precision=False)
+    hw = TOY_HW.with_(devices_per_node=1)
+    one = estimate(TOY, hw, Layout(dp=2, pp=2), zero=1, **kw)
+    two = estimate(TOY, hw, Layout(dp=2, pp=2), zero=2, **kw)
+    per = (10 + 0.5 * 4 * (2 * 872 + 160) * 10e-3) * 1e-6
+    assert one.time["dp_sync_total"] == pytest.approx(2 * per)
+    assert two.time["dp_sync_total"] == pytest.approx(5 * per)
+
+
+def test_hidden_communication_slows_the_compute_beside_it():
+    # the floor case above (536.16 us of the sync hidden, 142.32 us exposed) with compute
+    # 18.9% slower while a collective runs beside it: 0.189 x 536.16 = 101.33 us more
+    hw = TOY_HW.with_(devices_per_node=1, overlap_slowdown=0.189)
+    est = estimate(TOY, hw, Layout(dp=4), m=1, global_batch=160, zero=3, grad_reduce_bytes=4)
+    assert est.time["dp_sync_hidden"] == pytest.approx(536.16e-6)
+    assert est.time["dp_overlap_cost"] == pytest.approx(0.189 * 536.16e-6)
+    assert est.time["dp_sync"] == pytest.approx((142.32 + 0.189 * 536.16) * 1e-6)
+    # nothing hidden (dp_overlap=False): nothing slowed
+    none = estimate(TOY, hw, Layout(dp=4), m=1, global_batch=160, zero=3,
+                    grad_reduce_bytes=4, dp_overlap=False)
+    assert none.time["dp_overlap_cost"] == 0
+    assert none.time["dp_sync"] == pytest.approx(678.48e-6)
+    # the presets carry the published figure
+    from parlib.cost import Hardware
+    assert Hardware.dgx_h100(8).overlap_slowdown == 0.189
+    assert Hardware.dgx_h100(8).at_peak.overlap_slowdown == 0

@@ -46,7 +46,7 @@ WRONG = [
     ("08.seed_bubble", 27, "looks like a percent"),
     ("08.seed_bubble", 0.3, "at least 2 significant digits"),
     ("08.seed_bubble", 0.26, "too low"),
-    ("08.bandwidth_bound", "B", "whatever the batch: 27 GB per GPU"),
+    ("08.bandwidth_bound", "B", "whatever the batch: of its 27 GB per GPU, 1/8 leaves"),
     ("08.seed_bubble", 3 / 12, "m + p - 1"),
     ("08.microbatch_speedup", 8, "fill and drain"),
     ("08.microbatch_speedup", 4, "limit"),
@@ -93,3 +93,32 @@ def test_bandwidth_bound_right_answer_puts_the_fewest_bytes_on_the_slow_links():
     sync = predicted_sent_bytes("all_reduce", 2 * model.n_params, 64)
     tensor = model.n_layers * tp_sent_bytes_per_layer(512 // 8, 2048, 4096, 8, dtype_bytes=2)
     assert pipeline < sync / 5 and pipeline < tensor / 5, (pipeline, sync, tensor)
+
+
+def test_bandwidth_bound_agrees_with_the_chapters_link_sweep():
+    """The question's key, hints and worked answer quote the chapter's own estimates at its
+    setting (notebooks/08_choosing.ipynb, the link sweep's cells at 5 GB/s), so they cannot
+    drift apart: recompute them as the chapter does and find them in the question's text."""
+    from parlib.cost import Hardware, Layout, Link, Model, best_layouts, estimate
+    from parlib.cost.hardware import GB
+    from parlib.course.questions.ch08 import memory_or_bandwidth as q
+    from parlib.course.registry import get_question
+
+    model_b = Model(32, 4096, 32, 2048, 51200, name="6.7B")  # the chapter's cell
+    slow = Hardware.dgx_h100(64).with_(inter_node=Link(alpha=10e-6, bandwidth=5 * GB))
+    best = best_layouts(model_b, slow, global_batch=512, top=1)[0]
+    plain = estimate(model_b, slow, Layout(dp=64), m=512 // 64, zero=1,
+                     recompute="selective", global_batch=512)
+    question = get_question("08.bandwidth_bound")
+    text = " ".join((question.working + " " + " ".join(question.hints.values())).split())
+    # the chapter prints these at 5 GB/s: the pick and its step, d=64's bytes and seconds
+    assert (best.name, best.zero) == (q.BW_PICK.name, q.BW_PICK.zero)
+    assert f"{best.name} with ZeRO-{best.zero}" in text
+    assert f"step {best.step_time:.2f} s" in text
+    assert f"{plain.inter_node_bytes / GB:.2f} GB" in text
+    assert f"{plain.time['dp_sync_total']:.2f} s at 5 GB/s" in text
+    # the key is the choice with the fewest slow-link bytes, by the same model
+    sent = q.BW_SLOW_BYTES
+    assert question.answer == min(sent, key=sent.get) == "C"
+    assert sent["B"] == plain.inter_node_bytes
+    assert f"{sent['B'] / sent['C']:.1f}x fewer" in text

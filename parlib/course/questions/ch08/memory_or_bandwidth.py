@@ -4,12 +4,18 @@ bandwidth-bound run need."""
 from __future__ import annotations
 
 from parlib.cost import (
+    Hardware,
+    Layout,
+    Link,
     Model,
-    boundary_bytes,
+    best_layouts,
+    estimate,
     model_state_bytes,
     predicted_sent_bytes,
     tp_sent_bytes_per_layer,
 )
+from parlib.cost.estimate import RECOMPUTE
+from parlib.cost.hardware import GB
 from parlib.course.question_types import Choice, Numeric
 from parlib.course.registry import register
 
@@ -49,21 +55,43 @@ register(Choice(
 ))
 
 # The bandwidth-bound case of the chapter's link sweep: GPT-3 6.7B's shape on 8 nodes of
-# 8 GPUs, 512 sequences of 2048 tokens per step, bf16. The slow links carry either the
-# gradient sync (data parallelism across nodes) or the stage boundaries (a pipeline across
-# nodes, data parallelism inside them, as the planner picks at a few GB/s).
+# 8 GPUs, 512 sequences of 2048 tokens per step, bf16, 5 GB/s per GPU between nodes. Every
+# number below is the chapter's cost model at that setting (its link sweep prints the same
+# estimates): the bytes each choice puts on the slow links per GPU and step.
 _BW_MODEL = Model(32, 4096, 32, 2048, 51200, name="6.7B")
 _BW_BATCH, _BW_D_INSIDE, _BW_GBS = 512, 8, 5
-_SYNC_BYTES = predicted_sent_bytes("all_reduce", 2 * _BW_MODEL.n_params, 64)
-# one pipeline gets batch / d sequences; each boundary sends them forward and back
-_BOUNDARY_BYTES = 2 * boundary_bytes(_BW_BATCH // _BW_D_INSIDE, _BW_MODEL.seq_len,
-                                     _BW_MODEL.d_model, dtype_bytes=2)
-_SYNC_GB, _BOUNDARY_GB = _SYNC_BYTES / 1e9, _BOUNDARY_BYTES / 1e9
-_SYNC_S, _PER_PIPE = _SYNC_BYTES / (_BW_GBS * 1e9), _BW_BATCH // _BW_D_INSIDE
+_BW_HW = Hardware.dgx_h100(64).with_(inter_node=Link(alpha=10e-6, bandwidth=_BW_GBS * GB))
+
+
+def _fastest(layout: Layout, zeros: tuple[int, ...]):
+    """The layout at its fastest (m, ZeRO stage, recomputation) that fits."""
+    per = _BW_BATCH // layout.dp
+    options = [estimate(_BW_MODEL, _BW_HW, layout, m=m, global_batch=_BW_BATCH, zero=z,
+                        recompute=r)
+               for m in range(1, per + 1) if per % m == 0 for z in zeros for r in RECOMPUTE]
+    return min((o for o in options if o.fits), key=lambda o: o.step_time)
+
+
+# B as the chapter's link sweep prints it: d = 64, ZeRO-1, one sequence per microbatch
+BW_PLAIN = estimate(_BW_MODEL, _BW_HW, Layout(dp=64), m=_BW_BATCH // 64, zero=1,
+                    recompute="selective", global_batch=_BW_BATCH)
+BW_TENSOR = _fastest(Layout(dp=_BW_D_INSIDE, tp=8), (0, 1, 2))
+BW_PIPELINE = _fastest(Layout(dp=_BW_D_INSIDE, pp=8), (0, 1, 2))
+BW_ZERO3 = _fastest(Layout(dp=64), (3,))
+BW_PICK = best_layouts(_BW_MODEL, _BW_HW, global_batch=_BW_BATCH, top=1)[0]
+# bytes per GPU on the slow links: the ring collectives' share that leaves the node; for A,
+# tensor parallelism's all-reduces with the t group spread over the nodes (all of them)
+BW_SLOW_BYTES = {"A": BW_TENSOR.bytes_sent["tp"], "B": BW_PLAIN.inter_node_bytes,
+                 "C": BW_PIPELINE.inter_node_bytes, "D": BW_ZERO3.inter_node_bytes}
+BW_KEY = min(BW_SLOW_BYTES, key=BW_SLOW_BYTES.get)
+_GB = {k: v / GB for k, v in BW_SLOW_BYTES.items()}
+_RING_GB = predicted_sent_bytes("all_reduce", 2 * _BW_MODEL.n_params, 64) / GB
+_PER_PIPE = _BW_BATCH // _BW_D_INSIDE
+_PICK_HIDDEN = BW_PICK.time["dp_sync_hidden"] / max(BW_PICK.time["dp_sync_total"], 1e-30)
 
 register(Choice(
     "08.bandwidth_bound",
-    "C",
+    BW_KEY,
     options={
         "A": "tensor parallelism across the nodes, data parallelism inside each node",
         "B": "data parallelism across the nodes: it syncs once per step, overlapped with "
@@ -79,31 +107,36 @@ register(Choice(
         Give one letter.
     """,
     working=f"""
-        **C.** Count the bytes each choice puts on the slow links per step. A data-parallel
-        sync across the nodes moves about 2 x the gradient, 2(N-1)/N x 2 bytes x P =
-        {_SYNC_GB:.1f} GB per GPU, **whatever the batch**: {_SYNC_S:.1f} s at {_BW_GBS} GB/s,
-        which overlap hides only if the backward lasts longer than that. A pipeline across
-        the nodes sends only the boundary activations: with d = {_BW_D_INSIDE} inside the
-        nodes each pipeline carries {_PER_PIPE} sequences, forward and back, 2 x
-        {_PER_PIPE} x 2048 x 4096 x 2 bytes = {_BOUNDARY_GB:.1f} GB per step over a
-        boundary, {_SYNC_GB / _BOUNDARY_GB:.0f}x fewer, at the price of a bubble. Fewest bytes
-        is not yet fastest: the bubble costs time too, and a tensor-parallel split inside
-        each node shrinks every GPU's share of the sync by t. The chapter's planner weighs
-        all three; which layout it picks depends on the link's speed. Tensor parallelism (A) sends
-        activations in every layer, on the critical path: fine-grained traffic punishes
-        slow links most. ZeRO-3 (D) sends about 1.5x data parallelism's bytes to save
-        memory the run does not need. B is the rule of thumb that holds when the model is
-        small against the batch, so that the sync hides behind a long backward.
+        **{BW_KEY}.** Count the bytes each choice puts on the slow links, per GPU and step,
+        as the chapter's cost model does. A data-parallel sync across the nodes (B) sends
+        about 2 x the gradient per rank, 2(N-1)/N x 2 bytes x P = {_RING_GB:.1f} GB,
+        **whatever the batch**; but its rings have 8 ranks in each node, and only 1/8 of a
+        rank's ring bytes leave the node: {_GB["B"]:.2f} GB per GPU on the slow links, a
+        sync of {BW_PLAIN.time["dp_sync_total"]:.2f} s at {_BW_GBS} GB/s. A pipeline across
+        the nodes (C) sends only the boundary activations: with d = {_BW_D_INSIDE} inside
+        the nodes each pipeline carries {_PER_PIPE} sequences, forward and back, 2 x
+        {_PER_PIPE} x 2048 x 4096 x 2 bytes = {_GB["C"]:.2f} GB per step,
+        {_GB["B"] / _GB["C"]:.1f}x fewer than B, at the price of a bubble. ZeRO-3 (D) gathers
+        the weights twice and reduce-scatters once: {_GB["D"]:.2f} GB,
+        {_GB["D"] / _GB["B"]:.1f}x B's, to save memory the run does not need. Tensor
+        parallelism across the nodes (A) would send {_GB["A"]:.0f} GB of activations, in
+        every layer, on the critical path. Fewest bytes is not fastest: at this link the
+        chapter's planner picks {BW_PICK.name} with ZeRO-{BW_PICK.zero} (step
+        {BW_PICK.step_time:.2f} s), which puts {BW_PICK.inter_node_bytes / GB:.2f} GB on the
+        slow links and hides {_PICK_HIDDEN:.0%} of its sync behind compute; the pipeline,
+        at its best setting, takes {BW_PIPELINE.step_time:.2f} s. Bytes decide when the
+        link is slow enough that nothing hides them: the chapter's sweep shows where.
     """,
     hints={
         "A": "tensor parallelism talks inside every layer: the slow link is on its "
-             "critical path many times per step",
+             f"critical path many times per step ({_GB['A']:.0f} GB per GPU here)",
         "B": f"the gradient sync moves about 2 x the gradient's bytes per step whatever the "
-             f"batch: {_SYNC_BYTES / 1e9:.0f} GB per GPU here, "
-             f"{_SYNC_BYTES / (_BW_GBS * 1e9):.0f} s at {_BW_GBS} GB/s. What does a stage "
-             f"boundary send instead?",
-        "D": "ZeRO-3 trades extra traffic (about 1.5x data parallelism's) for memory, and "
-             "memory is not the problem here",
+             f"batch: of its {_RING_GB:.0f} GB per GPU, 1/8 leaves each node, "
+             f"{_GB['B']:.2f} GB, {BW_PLAIN.time['dp_sync_total']:.2f} s at {_BW_GBS} GB/s. "
+             f"What does a stage boundary send instead?",
+        "D": f"ZeRO-3 trades extra traffic (about {_GB['D'] / _GB['B']:.1f}x data "
+             f"parallelism's: {_GB['D']:.2f} GB per GPU here) for memory, and memory is not "
+             f"the problem here",
     },
 ))
 

@@ -1,0 +1,69 @@
+"""llm-foundry's FSDP benchmark rows held against the cost model."""
+
+import pytest
+
+from parlib.cost import estimate
+from parlib.cost.foundry import (
+    A100_40GB_ROWS,
+    FOUNDRY_RUNS,
+    H100_80GB_ROWS,
+    foundry_table,
+    in_band_share,
+    mpt,
+    trends,
+)
+
+# NumParams of the README's tables, one per size: our shapes give them exactly
+NUM_PARAMS = {"125m": 125311488, "350m": 355985408, "760m": 760470528, "1b": 1315950592,
+              "3b": 2651837440, "7b": 6658859008, "13b": 12853954560, "30b": 29975214080,
+              "70b": 64862437376}
+
+
+@pytest.mark.parametrize("size", sorted(NUM_PARAMS))
+def test_shapes_give_the_tables_parameter_counts(size):
+    assert mpt(size).n_params == NUM_PARAMS[size]
+
+
+def test_every_row_is_there_and_predicted_by_estimate():
+    assert len(FOUNDRY_RUNS) == len(A100_40GB_ROWS) + len(H100_80GB_ROWS) == 59
+    for run in FOUNDRY_RUNS:
+        est = estimate(run.model, run.hardware, run.layout, **run.settings)
+        assert run.predicted() == pytest.approx(est.mfu)
+        assert run.settings["zero"] == 3 and run.layout.dp == run.hardware.n_devices
+    # MFU from T/s/GPU with our FLOPs: 7b on 8 A100 40GB, 3679 T/s/GPU
+    run = next(r for r in FOUNDRY_RUNS if r.name == "MPT 7b, 8 A100")
+    assert run.reported == pytest.approx(3679 * mpt("7b").flops_per_token / 312e12)
+    assert run.hardware.memory_bytes == 40e9 and run.settings["grad_reduce_bytes"] == 2
+
+
+def test_trend_is_the_ratio_at_most_gpus_over_fewest():
+    t = trends()
+    small, large, change = t["MPT 13b, A100"]
+    runs = {r.layout.world: r for r in FOUNDRY_RUNS if r.name.startswith("MPT 13b,")
+            and r.hardware.generation == "A100"}
+    assert (small, large) == (8, 128)
+    assert change == pytest.approx(runs[128].ratio() / runs[8].ratio())
+    assert "MPT 7b, H100" not in t  # one GPU count only
+
+
+def test_table_prints_share_and_trend():
+    table = foundry_table()
+    print("\n" + table)
+    share = in_band_share()
+    inside = round(share * len(FOUNDRY_RUNS))
+    assert f"{inside} of {len(FOUNDRY_RUNS)} rows ({share:.0%})" in table
+    assert "models within 15%" in table
+
+
+def test_a_prediction_above_the_best_published_says_why():
+    from parlib.cost.foundry import against_published, best_published, median_ratio
+    best = best_published("A100")
+    # every MFU row on A100, published and foundry: the highest is the one picked
+    assert all(r.reported <= best.reported for r in FOUNDRY_RUNS
+               if r.hardware.generation == "A100")
+    ratios = sorted(r.ratio() for r in FOUNDRY_RUNS if r.hardware.generation == "A100")
+    assert median_ratio("A100") == ratios[len(ratios) // 2]  # 39 rows: the 20th
+    within = against_published(best.reported * 1.05, "A100")
+    assert within.endswith("within 10% of it.") and "Why" not in within
+    above = against_published(best.reported * 1.3, "A100")
+    assert "30% above it. Why:" in above and f"{median_ratio('A100'):.2f}" in above
