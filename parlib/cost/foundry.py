@@ -188,8 +188,10 @@ def against_published(mfu: float, generation: str) -> str:
     above = mfu / best.reported - 1
     head = (f"predicted MFU {mfu:.0%} against the best published on {generation} among "
             f"parlib's rows, {best.reported:.0%} ({best.name})")
+    if above <= 0:
+        return head + ": at or below it."
     if above <= ABOVE_BEST:
-        return head + ": within 10% of it."
+        return head + f": {above:.0%} above it, within {ABOVE_BEST:.0%}."
     return (head + f": {above:.0%} above it. Why: the model charges the matmuls at the best "
             f"measured matmul rate and the traffic it can count; it does not know kernels "
             f"below that rate (attention, unfused norms), framework overheads or the "

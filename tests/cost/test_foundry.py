@@ -64,6 +64,8 @@ def test_a_prediction_above_the_best_published_says_why():
     ratios = sorted(r.ratio() for r in FOUNDRY_RUNS if r.hardware.generation == "A100")
     assert median_ratio("A100") == ratios[len(ratios) // 2]  # 39 rows: the 20th
     within = against_published(best.reported * 1.05, "A100")
-    assert within.endswith("within 10% of it.") and "Why" not in within
+    assert within.endswith(": 5% above it, within 10%.") and "Why" not in within
+    below = against_published(best.reported * 0.6, "A100")
+    assert below.endswith(": at or below it.") and "Why" not in below
     above = against_published(best.reported * 1.3, "A100")
     assert "30% above it. Why:" in above and f"{median_ratio('A100'):.2f}" in above
