@@ -4,28 +4,19 @@ patched checkers score nothing, results are written as each notebook finishes.""
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from parlib.course import grading
 from parlib.course.registry import questions
+from tests.helpers.notebooks import notebook
 
 # eight notebooks, each in its own grader process and kernel; the timed-out one waits for
 # the per-cell limit
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 IMPORTS = "import os\nimport torch\nimport torch.distributed as dist\nimport parlib"
-
-
-def notebook(folder: Path, name: str, *cells: str) -> Path:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent(c).strip()) for c in cells]
-    path = folder / name
-    nbformat.write(nb, path)
-    return path
 
 
 # The ring split over three cells: a constant, a helper and the function that uses both.

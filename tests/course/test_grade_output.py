@@ -8,28 +8,19 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from parlib.course import grading
 from parlib.course.questions.ch00 import RING_SOLUTION
 from parlib.course.registry import questions
+from tests.helpers.notebooks import notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG_HINT = ("your function returned a tensor of shape (9,) on rank 1 where the sum of every "
              "rank's input has shape (10,): the last chunk is shorter when the length does "
              "not divide by the world size, so size each chunk from torch.tensor_split")
-
-
-def notebook(folder: Path, name: str, *cells: str) -> Path:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent(c).strip()) for c in cells]
-    path = folder / name
-    nbformat.write(nb, path)
-    return path
 
 
 def report(message: str) -> dict:

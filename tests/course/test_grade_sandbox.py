@@ -11,27 +11,18 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from parlib.course import grading, sandbox
 from parlib.course.check import answer_payload, check, recheck
 from parlib.course.registry import get_question, questions
+from tests.helpers.notebooks import notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "1234.5"  # the lingering process's argument, to find it afterwards
-
-
-def notebook(folder: Path, name: str, *cells: str) -> Path:
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(textwrap.dedent(c).strip()) for c in cells]
-    path = folder / name
-    nbformat.write(nb, path)
-    return path
 
 
 def _lingering() -> list[str]:
