@@ -164,6 +164,35 @@ def norms_and_biases(name: str, param: nn.Parameter) -> bool:
     return param.ndim == 1
 
 
+REPLICATE_RULES: dict[str, Callable[[str, nn.Parameter], bool]] = {
+    "norms_and_biases": norms_and_biases}
+
+
+def replicate_rule(replicate: Any, module: nn.Module
+                   ) -> Callable[[str, nn.Parameter], bool] | None:
+    """``replicate=`` as a ``(name, param) -> bool`` rule: a rule's name
+    (:data:`REPLICATE_RULES`), a callable, or a collection of parameter names (each one
+    must exist). Anything else is refused: a string taken as a collection of names would be
+    a set of characters, and replicate nothing."""
+    if replicate is None or callable(replicate):
+        return replicate
+    if isinstance(replicate, str):
+        if replicate not in REPLICATE_RULES:
+            raise ValueError(f"FSDP: replicate={replicate!r} names no rule; the rules are "
+                             f"{', '.join(map(repr, REPLICATE_RULES))} (or pass a "
+                             f"(name, param) -> bool function, or a list of parameter names)")
+        return REPLICATE_RULES[replicate]
+    if not isinstance(replicate, Collection) or not all(isinstance(n, str) for n in replicate):
+        raise TypeError(f"FSDP: replicate must be a rule's name, a (name, param) -> bool "
+                        f"function or a collection of parameter names, got {replicate!r}")
+    names = set(replicate)
+    unknown = sorted(names - {n for n, _ in module.named_parameters()})
+    if unknown:
+        raise ValueError(f"FSDP: replicate names parameters the module does not have: "
+                         f"{', '.join(unknown)}")
+    return lambda name, _p: name in names
+
+
 def _default_units(module: nn.Module) -> list[str]:
     return [f"{name}.{i}" for name, child in module.named_modules()
             if isinstance(child, nn.ModuleList) for i in range(len(child))]
@@ -178,13 +207,14 @@ class FSDP(nn.Module):
     and buffers stay whole on every rank (cast to the compute dtype for the forward).
     ``replicate``: trainable parameters not worth sharding, kept whole on every rank (fp32,
     cast for the forward) and their gradients averaged by one all-reduce in
-    :meth:`finish_gradient_synchronization`: :func:`norms_and_biases`, any
-    ``(name, param) -> bool``, or a collection of names."""
+    :meth:`finish_gradient_synchronization`: a rule's name (``"norms_and_biases"``,
+    :func:`norms_and_biases`), any ``(name, param) -> bool``, or a collection of names."""
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  units: list[str] | None = None, prefetch: bool = False,
                  recompute: bool = False, group: Any = None, broadcast_from: int = 0,
-                 replicate: Callable[[str, nn.Parameter], bool] | Collection[str] | None = None
+                 replicate: str | Callable[[str, nn.Parameter], bool] | Collection[str]
+                 | None = None
                  ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -206,6 +236,7 @@ class FSDP(nn.Module):
         backend = dist.get_backend(group)
         if backend == "nccl" and next(iter(devices)).type != "cuda":
             raise ValueError("FSDP: the process group is NCCL but the module is on the CPU")
+        keep = replicate_rule(replicate, module)  # refused before any collective
         self.group, self.dtype = group, compute_dtype or torch.float32
         self.prefetch, self.recompute = prefetch, recompute
         broadcast_tensors(tensors, broadcast_from, group)  # rank 0's weights everywhere
@@ -222,8 +253,6 @@ class FSDP(nn.Module):
         self.module = module
         self.gathered_now = self.gathered_peak = 0  # bytes of full weights alive, by the unit
         self.units: list[Unit] = []
-        keep = (replicate if callable(replicate) or replicate is None
-                else lambda name, _p, names=set(replicate): name in names)
         self.replicated = [p for n, p in module.named_parameters()
                            if p.requires_grad and keep is not None and keep(n, p)]
         self._whole = {id(p) for p in self.replicated}
@@ -351,4 +380,5 @@ class FSDP(nn.Module):
         return {n: full[n] if n in full else frozen[n].detach().clone() for n in self.full_names}
 
 
-__all__ = ["COMPUTE_DTYPES", "FSDP", "GatherUnit", "Unit", "norms_and_biases"]
+__all__ = ["COMPUTE_DTYPES", "FSDP", "GatherUnit", "REPLICATE_RULES", "Unit", "norms_and_biases",
+           "replicate_rule"]

@@ -199,3 +199,29 @@ def test_replicated_parameters_stay_whole_with_averaged_gradients(results, kind,
     assert len(rs[0]["replicated grads"]) == 2  # hidden.bias, extra.bias
     for a, b in zip(rs[0]["replicated grads"], rs[1]["replicated grads"]):
         assert torch.equal(a, b)
+
+
+def _replicate_forms() -> dict:
+    """What each form of replicate= keeps whole on this rank, or the error it raises."""
+    out = {}
+    for key, replicate in {"readme string": "norms_and_biases", "rule": norms_and_biases,
+                           "names": ["hidden.bias"], "typo": "norm_and_bias",
+                           "unknown name": ["hidden.bais"], "number": 3}.items():
+        try:
+            model = seeded_toy(0)
+            # the README's example, as written
+            fsdp = parlib.FSDP(model, replicate=replicate)
+            named = {id(p): n for n, p in fsdp.module.named_parameters()}
+            out[key] = sorted(named[id(p)] for p in fsdp.replicated)
+        except (ValueError, TypeError) as err:
+            out[key] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_replicate_by_a_rules_name_keeps_what_the_rule_keeps_and_bad_forms_are_refused():
+    for res in parlib.launch(_replicate_forms, world_size=N, timeout=120):
+        assert res["readme string"] == res["rule"] == ["extra.bias", "hidden.bias"], res
+        assert res["names"] == ["hidden.bias"]
+        assert res["typo"].startswith("ValueError") and "'norms_and_biases'" in res["typo"]
+        assert "does not have: hidden.bais" in res["unknown name"]
+        assert res["number"].startswith("TypeError") and "got 3" in res["number"]
