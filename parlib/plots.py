@@ -354,8 +354,8 @@ def _tidy(ax, caption: str) -> None:
 def draw_tokens_per_expert(load: Sequence[int], capacities: dict[Any, int] | None = None,
                            caption: str = "", ax=None):
     """Choices per expert (bars, ``load[e]``) and each capacity factor's capacity (dashed
-    lines, ``capacities[factor]``): what sticks out above a line is dropped. Returns the
-    axes."""
+    lines, ``capacities[factor]``): what sticks out above a line is dropped. The legend sits
+    to the right of the axes, clear of every bar and line. Returns the axes."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -368,8 +368,8 @@ def draw_tokens_per_expert(load: Sequence[int], capacities: dict[Any, int] | Non
     ax.set_xticks(range(len(load)))
     ax.set_xlabel("expert")
     ax.set_ylabel("choices routed to it")
-    if capacities:
-        ax.legend(fontsize=8, frameon=False, loc="upper right")
+    if capacities:  # beside the axes: a capacity line can sit at any height, under any corner
+        ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     _tidy(ax, caption)
     return ax
 

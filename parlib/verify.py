@@ -50,9 +50,12 @@ class Comparison:
         return self.ok
 
     def __str__(self) -> str:
-        verdict = "equal to the single-device run" if self.ok else "DIFFERENT from it"
-        return (f"{verdict} (largest |difference| {self.worst:.2e} in {self.where or '-'}; "
-                f"tolerance {RTOL:g} relative + {ATOL:g})")
+        # Short enough to follow a label on one printed line (a notebook's output area breaks
+        # long lines mid-word); the tolerance, the course's one, is named only when it failed.
+        where = f"largest |diff| {self.worst:.2e}, in {self.where or '-'}"
+        if self.ok:
+            return f"equal to the single-device run ({where})"
+        return f"DIFFERENT from it ({where}; tolerance {RTOL:.0e} + {ATOL:.0e})"
 
 
 def _named(tensors: Mapping[str, torch.Tensor] | Iterable[torch.Tensor]) -> dict[str, Any]:

@@ -46,3 +46,25 @@ def test_timeline_draws_each_axis_communication_above_or_below_its_row():
     with pytest.raises(ValueError, match="1 row labels for 2 rows"):
         draw_timeline(spans, row_labels=["one"])
     plt.close("all")
+
+
+def test_tokens_per_expert_legend_is_clear_of_the_bars_and_capacity_lines():
+    """The expert-parallel chapter's figure: the legend used to sit in the upper right corner,
+    where a capacity line (or a tall bar) at the top of the axes ran through it. It now sits
+    beside the axes."""
+    import matplotlib.pyplot as plt
+
+    from parlib.plots import draw_tokens_per_expert
+
+    load = [13, 6, 8, 9, 7, 8, 6, 7]  # that chapter's rank 0: the busiest expert well above 1.0's 8
+    ax = draw_tokens_per_expert(load, {1.0: 8, 1.25: 10, 2.0: 16}, caption="2 ranks, CPU, gloo")
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(renderer)
+    drawn = [ax.get_window_extent(renderer)]  # the axes hold every bar and capacity line
+    assert len(ax.lines) == 3 and all(not legend.overlaps(box) for box in drawn), (legend, drawn)
+    # and the figure saved with a tight box (as the notebook shows it) keeps the whole legend
+    tight = fig.get_tightbbox(renderer)
+    assert tight.x1 >= legend.x1 / fig.dpi - 1e-6
+    plt.close("all")

@@ -25,6 +25,7 @@ from parlib.cost.sharded import padded_numel
 from parlib.measure.comm_log import CommLog
 from parlib.measure.emulation import SlowLink
 from parlib.measure.memory import SavedActivations, optimizer_state_bytes, tensor_bytes
+from parlib.measure.tables import Table
 from parlib.measure.timeline import Recorder, Span
 from parlib.measure.timing import time_it
 from parlib.model import ModelConfig, build_model, loss_fn, make_batch
@@ -211,6 +212,29 @@ def predicted_ledger(stage: str, cfg: ModelConfig, rows: int, world_size: int) -
     return out
 
 
+def ledger_table(measured: dict[tuple[str, int], dict[str, int]],
+                 predicted: dict[str, dict[str, float]], title: str = "") -> Table:
+    """The memory ledger as a table, in KiB: per stage, a row of what the formula predicts
+    (``predicted[stage]``, from :func:`predicted_ledger`: the same on every rank), then one
+    row per rank of what it held at its peak (``measured[(stage, rank)]``, from :func:`peak`),
+    with the measured peak's gap to the predicted one.
+
+    Every byte count is one whole number in its own cell (no "measured / predicted" pairs),
+    so that the eleven columns stay one line high in a notebook at laptop width and the text
+    form fits 100 characters."""
+    rows: list[list[Any]] = []
+    for stage in (s for s in STAGES if s in predicted):
+        want = sum(predicted[stage].values())
+        rows.append([stage, "formula", *(round(predicted[stage][k] / 1024) for k in KINDS),
+                     round(want / 1024), ""])
+        for rank in sorted(r for s, r in measured if s == stage):
+            kinds = measured[(stage, rank)]
+            total = sum(kinds.values())
+            rows.append([stage, f"rank {rank}", *(round(kinds[k] / 1024) for k in KINDS),
+                         round(total / 1024), f"{total / want - 1:+.1%}"])
+    return Table(["stage", "", *KINDS, "peak", "gap"], rows, title=title)
+
+
 # prefetch on an emulated device ---------------------------------------------------------
 
 def prefetch_run(cfg: ModelConfig, batch: int, *, prefetch: bool, flops_per_second: float,
@@ -358,5 +382,5 @@ def reference_cast(cfg: ModelConfig, batch: int, steps: int, dtype: torch.dtype,
     return {n: p.detach().clone() for n, p in net.named_parameters()}
 
 
-__all__ = ["KINDS", "STAGES", "Sharded", "fsdp2_run", "ledger_run", "peak", "predicted_ledger",
-           "prefetch_run", "reference_cast"]
+__all__ = ["KINDS", "STAGES", "Sharded", "fsdp2_run", "ledger_run", "ledger_table", "peak",
+           "predicted_ledger", "prefetch_run", "reference_cast"]

@@ -1,7 +1,8 @@
 """Observing real runs: time, bytes communicated, memory, timelines, emulated costs.
 
 - :mod:`~parlib.measure.timing`: :func:`time_it` (warm-up, device sync, median, spread).
-- :mod:`~parlib.measure.tables`: :class:`Table` (text and HTML), :func:`fmt_bytes`.
+- :mod:`~parlib.measure.tables`: :class:`Table` (text and HTML), :func:`fmt_bytes`,
+  :func:`print_wrapped`.
 - :mod:`~parlib.measure.intercept`: the one interception of ``torch.distributed`` (every
   collective and point-to-point call, one table of ops and their bytes). While an
   observer is subscribed it **patches ``torch.distributed`` process-wide** (every thread
@@ -32,7 +33,8 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "MiB": "tables", "Table": "tables", "fmt_bytes": "tables",
+    "MiB": "tables", "Table": "tables", "fmt_bytes": "tables", "print_wrapped": "tables",
+    "LINE_WIDTH": "tables",
     "Timing": "timing", "sync": "timing", "time_it": "timing",
     "CommLog": "comm_log", "CommRecord": "comm_log",
     "MemoryReport": "memory", "SavedActivations": "memory", "grad_bytes": "memory",

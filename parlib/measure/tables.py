@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import html
+import os
 import textwrap
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 MiB = 2**20
+# The characters a printed line may hold: JupyterLab's output area breaks longer lines anywhere,
+# mid-word included, and at 1366 px (the file browser open) it holds about 118 monospace
+# characters, at 1280 px about 107.
+LINE_WIDTH = 100
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -35,6 +40,23 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def print_wrapped(*lines: str, width: int | None = None, indent: str = "  ",
+                  flush: bool = False) -> None:
+    """Print each of ``lines`` (and each line inside them), wrapped at word boundaries so
+    that no printed line is longer than ``width`` characters (:data:`LINE_WIDTH`, less the
+    ``[rank r]`` prefix the notebook adds when this runs on a rank); a line's continuations
+    are indented by ``indent``. ``print`` for the course's result sentences."""
+    if width is None:
+        rank = os.environ.get("RANK")  # set on every rank parlib.launch starts
+        width = LINE_WIDTH - (len(f"[rank {rank}] ") if rank is not None else 0)
+    for text in lines:
+        for line in str(text).split("\n"):
+            lead = line[:len(line) - len(line.lstrip(" "))]
+            print("\n".join(textwrap.wrap(line, width, subsequent_indent=lead + indent,
+                                           break_long_words=False, break_on_hyphens=False))
+                  or line, flush=flush)
+
+
 class Table:
     """A small table: prints as aligned text, renders as HTML in a notebook.
 
@@ -45,7 +67,7 @@ class Table:
     """
 
     def __init__(self, columns: Sequence[str], rows: Iterable[Sequence[Any]], title: str = "",
-                 max_width: int = 100):
+                 max_width: int = LINE_WIDTH):
         self.columns = list(columns)
         self.rows = [list(r) for r in rows]
         self.title = title
@@ -106,4 +128,4 @@ class Table:
         return f"<table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-__all__ = ["MiB", "Table", "fmt_bytes"]
+__all__ = ["LINE_WIDTH", "MiB", "Table", "fmt_bytes", "print_wrapped"]

@@ -60,6 +60,18 @@ _stale_cleaned = False
 _live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
 
 
+def announcement(world_size: int, device_type: str, backend: str, reason: str,
+                 start_method: str, width: int = 100) -> str:
+    """What the first ``launch`` of a kernel prints: where the ranks run, why, and how they
+    start. Lines are at most ``width`` characters when the words allow (a notebook's output
+    area breaks longer lines mid-word): the start method goes on a line of its own if need be."""
+    where = f"parlib: {world_size} rank(s) on {device_type.upper()} with {backend} ({reason})"
+    how = f"start method {start_method}"
+    if len(where) + 2 + len(how) <= width:
+        return f"{where}; {how}"
+    return f"{where};\n  {how}"
+
+
 class RankGroup(Stopping):
     """``world_size`` rank processes in one process group, serving tasks until closed."""
 
@@ -96,12 +108,8 @@ class RankGroup(Stopping):
         install_short_tracebacks()
         ctx = start_context()
         if not _announced:
-            print(
-                f"parlib: {self.world_size} rank(s) on {self.plan.device_type.upper()} with "
-                f"{self.plan.backend} ({self.plan.reason}); start method "
-                f"{ctx.get_start_method()}",
-                flush=True,
-            )
+            print(announcement(self.world_size, self.plan.device_type, self.plan.backend,
+                               self.plan.reason, ctx.get_start_method()), flush=True)
             _announced = True
         self.closed = False
         _live_groups.add(self)

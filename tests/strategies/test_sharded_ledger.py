@@ -93,3 +93,31 @@ def test_bad_input_is_named():
         sh.predicted_ledger("ZeRO-4", CFG, 2, 2)
     with pytest.raises(ValueError, match="recompute"):
         model_activation_bytes(8, 1, 8, 2, 1, 16, recompute="some")
+
+
+def test_ledger_table_keeps_one_number_per_cell_and_fits_the_page():
+    """The sharded chapter's ledger table (issue: at 1366 px its ten "measured / predicted"
+    columns wrapped every cell onto two lines). Each stage is a formula row, then a row per
+    rank; every byte count is one whole number of KiB, and the text form is at most 100
+    characters wide."""
+    cfg = ModelConfig()  # the chapter's model
+    predicted = {s: sh.predicted_ledger(s, cfg, B // 2, 2) for s in sh.STAGES}
+    measured = {(s, r): {k: round(v * 1.002) + 100 * r for k, v in predicted[s].items()}
+                for s in sh.STAGES for r in (0, 1)}
+    table = sh.ledger_table(measured, predicted,
+                            title="KiB at the peak, B = 4, Adam (2 ranks, CUDA, nccl)")
+    assert table.columns == ["stage", "", *sh.KINDS, "peak", "gap"]
+    assert [r[:2] for r in table.rows[:3]] == [["DP", "formula"], ["DP", "rank 0"],
+                                               ["DP", "rank 1"]]
+    assert len(table.rows) == 3 * len(sh.STAGES)
+    for row in table.rows:
+        assert all(isinstance(v, int) for v in row[2:-1]), row  # one number, no " / " pair
+    zero3 = table.rows[-2]  # ZeRO-3, rank 0: every kind and the peak in KiB, the gap in percent
+    want = sum(predicted["ZeRO-3"].values())
+    got = sum(measured[("ZeRO-3", 0)].values())
+    assert zero3[2:-1] == [round(measured[("ZeRO-3", 0)][k] / 1024) for k in sh.KINDS] + [
+        round(got / 1024)]
+    assert zero3[-1] == f"{got / want - 1:+.1%}" and table.rows[-3][-1] == ""
+    text = str(table)
+    assert max(len(line) for line in text.splitlines()) <= 100, text
+    assert len(text.splitlines()) == 3 + len(table.rows)  # no row wrapped onto a second line

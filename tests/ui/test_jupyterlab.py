@@ -188,6 +188,38 @@ def test_notebook_opens_unmodified(page, path):
         "untouched would ask to save")
 
 
+JS_OUTPUT_WIDTH = """(path) => {
+  const pre = window.__nb[path].content.node.querySelector('.jp-OutputArea-output pre');
+  if (!pre) return null;
+  const probe = document.createElement('span');
+  probe.textContent = 'x'.repeat(100);
+  pre.appendChild(probe);
+  const charPx = probe.getBoundingClientRect().width / 100;
+  probe.remove();
+  return {charPx, prePx: pre.getBoundingClientRect().width};
+}"""
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS)
+def test_printed_lines_fit_the_output_area(page, path):
+    """Printed lines at most LINE_WIDTH characters long, and that many fit the output area: the
+    area breaks a longer line anywhere, mid-word included (word-break: break-all)."""
+    from parlib.measure.tables import LINE_WIDTH
+
+    nb = ran(page, path)
+    size = page.evaluate(JS_OUTPUT_WIDTH, path)
+    assert size, f"{path} shows no text output"
+    assert size["prePx"] >= LINE_WIDTH * size["charPx"], (
+        f"{LINE_WIDTH} characters take {LINE_WIDTH * size['charPx']:.0f} px; the output area of "
+        f"{path} is {size['prePx']:.0f} px wide")
+    long = [(c["index"], line) for c in nb.cells for o in c["outputs"] if o["type"] == "stream"
+            and o["name"] == "stdout" for line in o["text"].split("\n")
+            if len(line.split("\r")[-1]) > LINE_WIDTH]
+    if long:
+        show_cell(page, nb, long[0][0])
+    assert not long, f"{path}: printed lines over {LINE_WIDTH} characters: {long[:3]}"
+
+
 # ---- the pipeline chapter's explorer ------------------------------------------------------------
 
 def _explorer(page):
