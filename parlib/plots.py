@@ -368,6 +368,9 @@ def draw_tokens_per_expert(load: Sequence[int], capacities: dict[Any, int] | Non
     ax.set_xticks(range(len(load)))
     ax.set_xlabel("expert")
     ax.set_ylabel("choices routed to it")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no 2.5 choices
     if capacities:  # beside the axes: a capacity line can sit at any height, under any corner
         ax.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     _tidy(ax, caption)

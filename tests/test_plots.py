@@ -67,4 +67,6 @@ def test_tokens_per_expert_legend_is_clear_of_the_bars_and_capacity_lines():
     # and the figure saved with a tight box (as the notebook shows it) keeps the whole legend
     tight = fig.get_tightbbox(renderer)
     assert tight.x1 >= legend.x1 / fig.dpi - 1e-6
+    # counts of choices: whole-number ticks only
+    assert all(float(t).is_integer() for t in ax.get_yticks()), ax.get_yticks()
     plt.close("all")
