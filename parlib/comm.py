@@ -38,12 +38,18 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any = None,
     return getattr(dist, _ALL_GATHER)(output, input, group=group, async_op=async_op)
 
 
-def rank_and_size(group: Any = None, what: str = "this", *,
-                  required: bool = True) -> tuple[int, int]:
-    """(this rank's index in ``group``, the group's size); ``None`` is the default group.
+def rank_and_size(group: Any = None, what: str = "this", *, required: bool = True,
+                  allow_none: bool = True) -> tuple[int, int]:
+    """(this rank's index in ``group``, the group's size); ``None`` is the default group,
+    or refused with ``allow_none=False`` (functions whose group is always an argument).
 
     With no process group running: a clear error naming ``what`` needs one, or ``(0, 1)``
-    (one rank on its own) when ``required=False``."""
+    (one rank on its own) when ``required=False``. A rank that is not a member of ``group``
+    is refused: torch would give it rank -1 and size -1, which indexing and ring
+    arithmetic turn into wrong answers instead of errors."""
+    if group is None and not allow_none:
+        raise ValueError(f"{what} needs its process group as an argument "
+                         "(e.g. dist.group.WORLD or dist.new_group(ranks)), got None")
     if not (dist.is_available() and dist.is_initialized()):
         if not required:
             return 0, 1
@@ -51,7 +57,21 @@ def rank_and_size(group: Any = None, what: str = "this", *,
             f"{what} needs torch.distributed: the process group is not initialised. Run it on "
             "ranks (parlib.launch, a Cluster, %%ranks or torchrun), not in the notebook itself."
         )
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise RuntimeError(f"{what}: global rank {dist.get_rank()} is not a member of the "
+                           f"group {_ranks_of(group)}; call it only on the group's ranks")
+    return rank, dist.get_world_size(group)
+
+
+def _ranks_of(group: Any) -> str:
+    """The group's global ranks, for a message. On a non-member, dist.new_group returns
+    the shared sentinel NON_GROUP_MEMBER, whose recorded ranks are those of the last group
+    this rank was left out of, not necessarily this one: say so rather than mislead."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return ("(dist.new_group gave this rank GroupMember.NON_GROUP_MEMBER; torch does not "
+                "keep the group's ranks on a non-member)")
+    return str(dist.get_process_group_ranks(group))
 
 
 def quiet_renames() -> None:

@@ -47,14 +47,6 @@ KV_TAG, GRAD_TAG = 0, 1  # K/V blocks and their gradients travel the same links
 # Which positions each rank holds
 # --------------------------------------------------------------------------------------
 
-def _require_group(group: Any, what: str) -> None:
-    if group is None:
-        raise ValueError(f"{what} needs the context-parallel process group as an argument "
-                         "(e.g. dist.group.WORLD or dist.new_group(ranks)), got None")
-    if not dist.is_initialized():
-        raise RuntimeError(f"{what}: torch.distributed is not initialised (run on ranks)")
-
-
 def sequence_positions(rank: int, cp: int, seq_len: int,
                        layout: str = "contiguous") -> torch.Tensor:
     """The global positions (long, ascending) rank ``rank`` of ``cp`` holds of a sequence of
@@ -75,9 +67,8 @@ def sequence_positions(rank: int, cp: int, seq_len: int,
 def split_sequence(x: torch.Tensor, group: Any, layout: str = "contiguous",
                    dim: int = 1) -> torch.Tensor:
     """This rank's positions of ``x`` along ``dim`` (tokens (b, s) -> (b, s/cp))."""
-    _require_group(group, "split_sequence")
-    pos = sequence_positions(dist.get_rank(group), dist.get_world_size(group), x.shape[dim],
-                             layout)
+    rank, cp = comm.rank_and_size(group, "split_sequence", allow_none=False)
+    pos = sequence_positions(rank, cp, x.shape[dim], layout)
     return x.index_select(dim, pos.to(x.device))
 
 
@@ -95,7 +86,8 @@ class _Ring:
     """This rank's place in the group: ring neighbours and every rank's chunks."""
 
     def __init__(self, group: Any, s_local: int, layout: str, causal: bool) -> None:
-        self.group, self.rank, self.cp = group, dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.cp = comm.rank_and_size(group, "RingAttention", allow_none=False)
+        self.group = group
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.cp)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.cp)
         self.causal = causal
@@ -132,8 +124,8 @@ def ring_schedule(group: Any, seq_len: int, layout: str = "contiguous",
                   causal: bool = True) -> list[list[tuple[slice, slice, bool]]]:
     """Per ring step, the (query slice, key slice, diagonal) chunk pairs this rank of
     ``group`` computes in ring attention over ``seq_len`` positions (what the mask leaves)."""
-    _require_group(group, "ring_schedule")
-    ring = _Ring(group, seq_len // dist.get_world_size(group), layout, causal)
+    _, cp = comm.rank_and_size(group, "ring_schedule", allow_none=False)
+    ring = _Ring(group, seq_len // cp, layout, causal)
     return [ring.pairs(step) for step in range(ring.cp)]
 
 
@@ -215,7 +207,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
                    causal: bool = True, layout: str = "contiguous") -> torch.Tensor:
     """Attention over the whole sequence of this rank's queries, q, k, v (b, a, s/cp, d),
     the sequence split over ``group`` in ``layout``; returns (b, a, s/cp, d)."""
-    _require_group(group, "ring_attention")
+    comm.rank_and_size(group, "ring_attention", allow_none=False)
     _check_shapes(q, k, v)
     return RingAttention.apply(q, k, v, group, causal, layout)
 
@@ -238,7 +230,7 @@ class AllGatherKV(Function):
     @staticmethod
     def forward(ctx: Any, kv: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        cp = dist.get_world_size(group)
+        _, cp = comm.rank_and_size(group, "AllGatherKV", allow_none=False)
         gathered = kv.new_empty((cp * kv.shape[0], *kv.shape[1:]))  # collectives use dim 0
         comm.all_gather(gathered, kv.contiguous(), group=group)
         return gathered.view(cp, *kv.shape)
@@ -254,9 +246,8 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
                          causal: bool = True, layout: str = "contiguous") -> torch.Tensor:
     """The simple way: gather all of K and V, then attend the local queries
     (b, a, s/cp, d) over the whole sequence; returns (b, a, s/cp, d)."""
-    _require_group(group, "all_gather_attention")
+    rank, cp = comm.rank_and_size(group, "all_gather_attention", allow_none=False)
     _check_shapes(q, k, v)
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
     seq_len = q.shape[-2] * cp
     every = AllGatherKV.apply(torch.stack([k, v]), group)  # (cp, 2, b, a, s/cp, d)
     k_all = torch.cat(list(every[:, 0]), dim=-2)  # (b, a, s, d), blocks in rank order
@@ -321,8 +312,7 @@ def context_parallel_copy(model: TinyGPT, group: Any, layout: str = "contiguous"
                           attention: str = "ring") -> TinyGPT:
     """A copy of ``model`` that runs on this rank's share of the sequence (tokens from
     :func:`split_sequence`), parameters named as in ``model``."""
-    _require_group(group, "context_parallel_copy")
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    rank, cp = comm.rank_and_size(group, "context_parallel_copy", allow_none=False)
     cp_model = copy.deepcopy(model)
     positions = sequence_positions(rank, cp, model.cfg.seq_len, layout)
     cp_model.embed = ContextParallelEmbed(cp_model.embed, positions)
@@ -335,8 +325,7 @@ def average_gradients(model: nn.Module, group: Any) -> None:
     """Each parameter's gradient -> its mean over the cp group. Every rank's loss is the
     mean over its own tokens; the mean over all tokens is the mean of those (equal
     shares), so the gradient of the whole loss is the average of the ranks' gradients."""
-    _require_group(group, "average_gradients")
-    cp = dist.get_world_size(group)
+    _, cp = comm.rank_and_size(group, "average_gradients", allow_none=False)
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
@@ -345,9 +334,10 @@ def average_gradients(model: nn.Module, group: Any) -> None:
 
 def mean_over_group(value: torch.Tensor, group: Any) -> torch.Tensor:
     """A per-rank mean (the local loss) -> the mean over all tokens of all ranks."""
+    _, n = comm.rank_and_size(group, "mean_over_group")
     total = value.detach().clone()
     dist.all_reduce(total, group=group)
-    return total / dist.get_world_size(group)
+    return total / n
 
 
 __all__ = ["ATTENTIONS", "AllGatherKV", "LAYOUTS", "ContextParallelAttention",

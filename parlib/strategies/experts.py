@@ -34,15 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Function
 
+from parlib.comm import rank_and_size
 from parlib.model import MoE, Routing, TinyGPT, route
-
-
-def _require_group(group: Any, what: str) -> None:
-    if group is None:
-        raise ValueError(f"{what} needs the expert-parallel process group as an argument "
-                         "(e.g. dist.group.WORLD or dist.new_group(ranks)), got None")
-    if not dist.is_initialized():
-        raise RuntimeError(f"{what}: torch.distributed is not initialised (run on ranks)")
 
 
 def experts_of_rank(rank: int, ep: int, n_experts: int) -> range:
@@ -106,8 +99,8 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, moe: MoE, group: Any) -> None:
         super().__init__()
-        _require_group(group, "ExpertParallelMoE")
-        self.group, self.rank, self.ep = group, dist.get_rank(group), dist.get_world_size(group)
+        self.rank, self.ep = rank_and_size(group, "ExpertParallelMoE", allow_none=False)
+        self.group = group
         self.n_experts = len(moe.experts)
         self.mine = experts_of_rank(self.rank, self.ep, self.n_experts)
         self.top_k, self.capacity_factor = moe.top_k, moe.capacity_factor
@@ -149,7 +142,7 @@ def expert_parallel_copy(model: TinyGPT, group: Any) -> TinyGPT:
     if not model.cfg.n_experts:
         raise ValueError("expert_parallel_copy needs a mixture-of-experts model "
                          "(ModelConfig(n_experts=E, ...)), got a dense one")
-    _require_group(group, "expert_parallel_copy")
+    rank_and_size(group, "expert_parallel_copy", allow_none=False)
     ep_model = copy.deepcopy(model)
     for block in ep_model.blocks:
         block.mlp = ExpertParallelMoE(block.mlp, group)
@@ -181,8 +174,9 @@ def sync_gradients(model: nn.Module, data_group: Any, replica_group: Any = None)
     contributions of every rank whose tokens it computed (they came back through the
     all-to-all): summed over its replicas (``replica_group``; None when each expert lives
     once), then divided by the number of data ranks, as the shared ones."""
-    _require_group(data_group, "sync_gradients")
-    n = dist.get_world_size(data_group)
+    _, n = rank_and_size(data_group, "sync_gradients", allow_none=False)
+    if replica_group is not None:
+        rank_and_size(replica_group, "sync_gradients (replica_group)")
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
@@ -204,8 +198,7 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
 
 def split_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
     """This rank's equal share of the batch rows of ``t`` (data parallel over ``group``)."""
-    _require_group(group, "split_rows")
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    rank, n = rank_and_size(group, "split_rows", allow_none=False)
     if t.shape[0] % n:
         raise ValueError(f"a batch of {t.shape[0]} rows does not split over {n} ranks")
     return t.chunk(n)[rank]

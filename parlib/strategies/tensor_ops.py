@@ -35,11 +35,12 @@ SEQ_DIM = 1  # activations are (b, s, h)
 
 
 def _group_size(group: Any) -> int:
-    return dist.get_world_size(group)
+    return comm.rank_and_size(group, "tensor parallelism")[1]
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Sum of ``x`` over the group, in a fresh tensor (the caller's tensor is left alone)."""
+    _group_size(group)  # refuses a rank outside the group
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out
@@ -76,7 +77,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
 
 def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     """This rank's piece of ``dim`` of a replicated tensor: no communication."""
-    t, rank = _group_size(group), dist.get_rank(group)
+    rank, t = comm.rank_and_size(group, "tensor parallelism")
     _check_splits(x, dim, t)
     return x.chunk(t, dim=dim)[rank].contiguous()
 
@@ -87,6 +88,7 @@ class CopyToTensorParallelRegion(Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        _group_size(group)  # a rank outside the group: refused now, not in backward
         ctx.group = group
         return x.view_as(x)
 
