@@ -11,8 +11,11 @@ parameters are grouped in *units* (the blocks, and the rest), each unit seen as 
 vector padded to N equal pieces (:class:`parlib.strategies.zero.FlatShard`). As soon as
 backward has produced every gradient of a unit, a hook reduce-scatters them (rank r receives
 the sum of piece r, divided by N) and frees the full gradients; only the shard gradient
-survives. The step updates the shard and all-gathers the weights: 2 x P x (N-1)/N bytes per
-step, as plain data parallelism (:func:`parlib.cost.sharded.zero_sent_bytes_per_step`).
+survives. Units go in one fixed order on every rank (backward's: the last block first), so
+that a unit left without gradients on some ranks (a skipped branch) waits, with those after
+it, for ``finish_gradient_synchronization`` rather than pairing with another unit. The step
+updates the shard and all-gathers the weights: 2 x P x (N-1)/N bytes per step, as plain data
+parallelism (:func:`parlib.cost.sharded.zero_sent_bytes_per_step`).
 
 ZeRO-3, where the weights are sharded too, is :class:`parlib.strategies.fsdp.FSDP`.
 """
@@ -34,12 +37,9 @@ def unit_params(model: nn.Module, units: list[str] | None = None) -> list[list[t
     """Trainable parameters grouped by unit: each named submodule (default: every child of
     every ``nn.ModuleList``, the blocks), then the rest; each parameter once (a tied one
     goes to the first unit that holds it)."""
-    if units is None:
-        units = [f"{name}.{i}" for name, child in model.named_modules()
-                 if isinstance(child, nn.ModuleList) for i in range(len(child))]
     seen: set[int] = set()
     groups = []
-    for sub in [*(model.get_submodule(u) for u in units), model]:
+    for sub in [*(model.get_submodule(u) for u in _unit_names(model, units)), model]:
         group = [p for p in sub.parameters() if p.requires_grad and id(p) not in seen]
         seen.update(id(p) for p in group)
         if group:
@@ -47,10 +47,30 @@ def unit_params(model: nn.Module, units: list[str] | None = None) -> list[list[t
     return groups
 
 
+def _unit_names(model: nn.Module, units: list[str] | None) -> list[str]:
+    if units is None:
+        units = [f"{name}.{i}" for name, child in model.named_modules()
+                 if isinstance(child, nn.ModuleList) for i in range(len(child))]
+    return units
+
+
+def _reduce_order(model: nn.Module, units: list[str] | None = None) -> list[int]:
+    """The order in which Zero2 reduce-scatters the groups of :func:`unit_params`: the
+    named units last first, then the rest (its embeddings get their gradients last). That is
+    the order backward completes them when ``units`` are listed in forward order."""
+    groups = unit_params(model, units)
+    named = {id(p) for u in _unit_names(model, units)
+             for p in model.get_submodule(u).parameters()}
+    has_rest = bool(groups) and id(groups[-1][0]) not in named
+    n_named = len(groups) - has_rest
+    return [*reversed(range(n_named)), *([n_named] if has_rest else [])]
+
+
 class Zero2:
     """ZeRO-2 on ``model`` over ``group`` with the elementwise optimizer ``optimizer_cls``
     (``**defaults``: its hyperparameters); see the module docstring. ``units``: submodule
-    names whose gradients are reduce-scattered together (default: the blocks)."""
+    names whose gradients are reduce-scattered together (default: the blocks), best listed in
+    forward order: they are reduced in the reverse order, and one waits for those before it."""
 
     def __init__(self, model: nn.Module,
                  optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam, *,
@@ -66,7 +86,9 @@ class Zero2:
             raise ValueError("Zero2: trainable parameters must be fp32")
         self.shards = [FlatShard(g, self.rank, self.world_size) for g in groups]
         self.optimizer = optimizer_cls([s.tensor for s in self.shards], **defaults)
-        self._ready = [0] * len(self.shards)  # gradients produced this backward, per unit
+        self._order = _reduce_order(model, units)
+        self._next = 0  # position in _order of the next unit to reduce-scatter
+        self._ready = [0] * len(self.shards)  # gradients produced, not yet reduced, per unit
         self._done = [False] * len(self.shards)  # reduce-scattered this step
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, s in enumerate(self.shards) for p in s.params]
@@ -74,9 +96,20 @@ class Zero2:
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def grad_ready(_p: torch.Tensor) -> None:
             self._ready[i] += 1
-            if self._ready[i] == len(self.shards[i].params):
-                self._reduce(i)
+            self._reduce_ready()
         return grad_ready
+
+    def _reduce_ready(self) -> None:
+        """Reduce-scatter the units whose gradients have all arrived, in ``_order`` only,
+        stopping at the first that is not complete. Collectives pair by order: if a branch
+        skipped on one rank let the next unit go first there, equal-sized units would swap
+        gradients. That unit and those after it wait for
+        :meth:`finish_gradient_synchronization`, on the ranks where it is incomplete."""
+        while self._ready[i := self._order[self._next]] >= len(self.shards[i].params):
+            self._reduce(i)
+            self._next = (self._next + 1) % len(self._order)  # a full round: the next backward
+            if self._next == 0:
+                return
 
     @torch.no_grad()
     def _reduce(self, i: int) -> None:
@@ -96,11 +129,14 @@ class Zero2:
         self._done[i] = True
 
     def finish_gradient_synchronization(self) -> None:
-        """Reduce-scatter the units whose gradients did not all arrive (a parameter unused
-        this step counts as a zero gradient): every rank must issue the same collectives."""
-        for i, shard in enumerate(self.shards):
-            if not self._done[i] and (self._ready[i] or shard.tensor.grad is None):
+        """Finish the round of reduce-scatters that backward left open, in the same order
+        (a gradient that did not arrive counts as zeros): every rank must issue the same
+        collectives. Another round if gradients arrived for units already reduced (a second
+        backward), and a round of zeros on a rank whose backward gave no gradient at all."""
+        while self._next or any(self._ready) or not any(self._done):
+            for i in self._order[self._next:]:
                 self._reduce(i)
+            self._next = 0
 
     @torch.no_grad()
     def step(self) -> None:
@@ -123,6 +159,7 @@ class Zero2:
                 shard.tensor.grad.zero_()
             for p in shard.params:
                 p.grad = None
+        self._next = 0
         self._ready = [0] * len(self.shards)
         self._done = [False] * len(self.shards)
 
