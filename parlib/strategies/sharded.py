@@ -49,9 +49,12 @@ def unit_params(model: nn.Module, units: list[str] | None = None) -> list[list[t
 
 def _unit_names(model: nn.Module, units: list[str] | None) -> list[str]:
     if units is None:
-        units = [f"{name}.{i}" for name, child in model.named_modules()
-                 if isinstance(child, nn.ModuleList) for i in range(len(child))]
-    return units
+        return [f"{name}.{i}" for name, child in model.named_modules()
+                if isinstance(child, nn.ModuleList) for i in range(len(child))]
+    if isinstance(units, (str, nn.Module)) or not all(isinstance(u, str) for u in units):
+        raise TypeError(f"units takes a list of submodule names, e.g. ['blocks.0', "
+                        f"'blocks.1'] (the default: every block), got {type(units).__name__}")
+    return list(units)
 
 
 def _reduce_order(model: nn.Module, units: list[str] | None = None) -> list[int]:
