@@ -29,9 +29,13 @@ What the model assumes, in one place:
 - Memory-bound operations (norms, residual adds, the MLP's activation, dropout, and the
   softmax over stored attention scores) are charged their bytes over the achievable memory
   bandwidth (:func:`~parlib.cost.memory.memory_bound_bytes_per_layer`, backward twice the
-  forward's bytes, full recomputation one more forward): the step part ``memory_bound``,
-  beside ``compute`` (which counts only FLOPs). Hardware without a memory bandwidth
-  charges nothing for them.
+  forward's bytes, full recomputation one more forward), and so is the unfused
+  cross-entropy over the logits (:func:`~parlib.cost.memory.loss_bytes_per_token`, spread
+  evenly as the output layer's FLOPs are): the step part ``memory_bound``, beside
+  ``compute`` (which counts only FLOPs). Adam's update reads and writes the optimizer state
+  a rank holds once a step, after the sync
+  (:func:`~parlib.cost.memory.optimizer_step_bytes_per_param`): the part ``optimizer``.
+  Hardware without a memory bandwidth charges nothing for either.
 - Tensor parallelism: 2 all-reduces of (b, s, h) per layer forward, 2 backward (one more
   forward's worth with full recomputation), on the critical path. Sequence parallelism
   (default on) moves the same bytes and splits the norms' activations too.
@@ -117,8 +121,11 @@ from parlib.cost.memory import (
     MEMORY_BOUND_BACKWARD_PER_FORWARD,
     activation_bytes_per_layer,
     logits_bytes,
+    loss_bytes_per_token,
     memory_bound_bytes_per_layer,
     model_state_bytes_by_kind,
+    model_state_bytes_per_param,
+    optimizer_step_bytes_per_param,
 )
 from parlib.cost.model import BACKWARD_PER_FORWARD, Model
 from parlib.cost.pipeline import boundary_bytes, bubble_fraction, in_flight_microbatches
@@ -132,7 +139,7 @@ ZERO3_WITH_PIPELINE = (
     "(DeepSpeed refuses the combination); use zero=1 or zero=2 with a pipeline")
 # they sum to a step
 STEP_PARTS = ("compute", "memory_bound", "tp_comm", "cp_comm", "ep_comm", "pp_bubble",
-              "pp_send", "dp_sync")
+              "pp_send", "dp_sync", "optimizer")
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "pipeline_in_flight")
 
 
@@ -143,10 +150,12 @@ class Estimate:
     ``memory`` holds bytes per device of the worst pipeline stage (``stage``): params,
     grads, optimizer, activations (one microbatch), pipeline_in_flight (the others held).
     ``time`` holds the parts of a step, which add up to ``step_time``: compute (FLOPs at
-    the achievable rate), memory_bound (norms, softmax, elementwise: bytes over memory
-    bandwidth), tp_comm, cp_comm (the exposed part of ring attention's K/V traffic),
+    the achievable rate), memory_bound (norms, softmax, elementwise, the loss over the
+    logits: bytes over memory bandwidth), tp_comm, cp_comm (the exposed part of ring
+    attention's K/V traffic),
     ep_comm (the experts' all-to-alls), pp_bubble, pp_send and dp_sync (the exposed part of
-    the gradient sync), and beside them cp_comm_total, cp_comm_hidden, dp_sync_total and
+    the gradient sync), optimizer (Adam's memory-bound pass over this rank's optimizer
+    state, once a step), and beside them cp_comm_total, cp_comm_hidden, dp_sync_total and
     dp_sync_hidden (the parts that overlap compute). ``stage_layers`` lists the layers of
     each pipeline stage; ``binding`` (set by the planner for its picks) names what limits
     the layout: "memory", "compute", "memory bandwidth", "the pipeline bubble" or a link.
@@ -475,8 +484,15 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
         dtype_bytes=act_bytes, ffn_dim=model.activation_ffn_dim, gated_mlp=model.gated_mlp,
         dropout=model.dropout, scores_stored=c == 1 and recompute != "selective")
     forwards = 1 + (1 if full else 0)
-    memory_bound = (m * slowest * moved * (forwards + MEMORY_BOUND_BACKWARD_PER_FORWARD)
-                    / hardware.achievable_memory_bandwidth)
+    # the loss over the logits, spread evenly as the output layer's FLOPs are
+    loss = tokens * loss_bytes_per_token(model.vocab_size, dtype_bytes=act_bytes) / n
+    memory_bound = ((m * slowest * moved * (forwards + MEMORY_BOUND_BACKWARD_PER_FORWARD)
+                     + loss) / hardware.achievable_memory_bandwidth)
+    # once a step, after the sync: Adam's pass over the state this rank updates (its
+    # optimizer shard); outside every microbatch, so no bubble scales it
+    updated = memory["optimizer"] / model_state_bytes_per_param(mixed_precision)["optimizer"]
+    optimizer_step = (updated * optimizer_step_bytes_per_param(mixed_precision)
+                      / hardware.achievable_memory_bandwidth)
 
     # ---- tensor parallelism: all-reduces of (b, s, h) per layer, every microbatch
     passes = ("forward", "backward") + (("forward",) if full else ())
@@ -601,7 +617,7 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
             "cp_overlap_cost": cp_slowdown, "pp_bubble": pp_bubble,
             "pp_send": pp_send, "dp_sync": dp_total - dp_hidden + dp_slowdown,
             "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden,
-            "dp_overlap_cost": dp_slowdown}
+            "dp_overlap_cost": dp_slowdown, "optimizer": optimizer_step}
     return Estimate(model=model, hardware=hardware, layout=layout, m=m, v=v,
                    global_batch=global_batch, zero=zero, recompute=recompute, micro_batch=b,
                    memory=memory, time=time,

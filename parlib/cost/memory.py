@@ -117,6 +117,32 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
 MEMORY_BOUND_BACKWARD_PER_FORWARD = 2
 
 
+def loss_bytes_per_token(vocab_size: int, *, t: int = 1, dtype_bytes: int = 2) -> float:
+    """Bytes an unfused cross-entropy reads and writes per token, forward and backward, on
+    one of t ranks (vocabulary split t ways): memory-bound work no matmul hides, as large
+    per token as a small model's layers together (V = 50,368 in bf16: 1.4 MB a token).
+
+    Per logit: 16-bit logits are upcast to fp32 (read ``dtype_bytes``, write 4), the
+    log-softmax reads and writes fp32 (8), its backward reads the saved fp32 output and
+    writes the fp32 gradient (8), cast back to the logits' dtype (read 4, write
+    ``dtype_bytes``); fp32 logits skip both casts. In bf16 28 bytes a logit, in fp32 16.
+    The matmul that makes the logits is counted as compute, not here."""
+    _require_at_least_one(vocab_size=vocab_size, t=t, dtype_bytes=dtype_bytes)
+    casts = 2 * (dtype_bytes + 4) if dtype_bytes < 4 else 0
+    return vocab_size * (casts + 8 + 8) / t
+
+
+def optimizer_step_bytes_per_param(mixed_precision: bool = False) -> int:
+    """Bytes Adam's update reads and writes per parameter its rank updates (a memory-bound
+    pass over the model state, :func:`model_state_bytes_per_param`): it reads the gradient
+    and the optimizer state and writes the state and the weight; in fp32 the weight is
+    also the master copy it reads. 28 bytes in fp32 (read 4 + 4 + 8, write 4 + 8) and in
+    mixed precision (read 2 + 12, write 12 + the 2-byte weight)."""
+    per = model_state_bytes_per_param(mixed_precision)
+    reads = per["grads"] + per["optimizer"] + (0 if mixed_precision else per["params"])
+    return reads + per["optimizer"] + per["params"]
+
+
 def memory_bound_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_heads: int,
                                  *, t: int = 1, sequence_parallel: bool = False,
                                  dtype_bytes: int = 2, ffn_dim: int | None = None,
@@ -180,5 +206,6 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
 
 __all__ = ["MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES", "activation_bytes_per_layer",
            "memory_bound_bytes_per_layer", "adam_bytes_per_param", "logits_bytes",
+           "loss_bytes_per_token", "optimizer_step_bytes_per_param",
            "model_activation_bytes",
            "model_state_bytes", "model_state_bytes_by_kind", "model_state_bytes_per_param"]

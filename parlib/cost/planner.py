@@ -20,7 +20,8 @@ _WHY_FASTER = {"compute": "less compute", "memory_bound": "fewer bytes through m
                "cp_comm": "less exposed ring-attention traffic",
                "ep_comm": "less expert all-to-all traffic",
                "pp_bubble": "a smaller pipeline bubble", "pp_send": "fewer stage-boundary sends",
-               "dp_sync": "less gradient sync on the critical path"}
+               "dp_sync": "less gradient sync on the critical path",
+               "optimizer": "less optimizer state to update per device"}
 
 
 MAX_CP = 32  # Llama 3 trained 128k-token sequences with c = 16
@@ -144,7 +145,8 @@ def _zero_stages(layout: Layout) -> tuple[int, ...]:
 _CONSTRAINT = {"compute": "compute", "memory_bound": "memory bandwidth",
                "tp_comm": "the tensor-parallel link", "cp_comm": "the context-parallel link",
                "ep_comm": "the expert-parallel link", "pp_bubble": "the pipeline bubble",
-               "pp_send": "the pipeline link", "dp_sync": "the data-parallel link"}
+               "pp_send": "the pipeline link", "dp_sync": "the data-parallel link",
+               "optimizer": "the optimizer step"}
 # Memory binds when the layout needed ZeRO or recomputation to fit, or has under this much
 # of the device's memory to spare.
 MEMORY_BINDS_ABOVE = 0.9

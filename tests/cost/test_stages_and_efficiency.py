@@ -6,7 +6,11 @@ import math
 import pytest
 
 from parlib.cost import ACHIEVABLE, Hardware, Layout, Link, Model, achievable_fraction, estimate
-from parlib.cost.memory import memory_bound_bytes_per_layer
+from parlib.cost.memory import (
+    loss_bytes_per_token,
+    memory_bound_bytes_per_layer,
+    optimizer_step_bytes_per_param,
+)
 from parlib.cost.planner import best_layouts, binding_constraint, candidate_layouts
 from parlib.cost.stages import stage_imbalance, stage_layers
 
@@ -42,24 +46,56 @@ def test_memory_bound_bytes_by_hand():
     assert memory_bound_bytes_per_layer(4, 1, 8, 2, gated_mlp=True) == 1536
 
 
+def test_loss_and_optimizer_step_bytes_by_hand():
+    # bf16 logits: upcast (2 + 4), log-softmax (4 + 4), its backward (4 + 4), cast back
+    # (4 + 2) = 28 B a logit; V = 50,368: 1,410,304 B a token. fp32: 16 B a logit.
+    assert loss_bytes_per_token(50368) == 28 * 50368 == 1_410_304
+    assert loss_bytes_per_token(16, dtype_bytes=4) == 256
+    assert loss_bytes_per_token(16, t=2) == 28 * 8
+    # Adam: fp32 reads weight, grad, two moments (4 + 4 + 8), writes weight and moments
+    # (4 + 8); mixed reads grad and state (2 + 12), writes state and the bf16 weight (12 + 2)
+    assert optimizer_step_bytes_per_param(False) == optimizer_step_bytes_per_param(True) == 28
+
+
 def test_estimate_charges_memory_bound_time_beside_compute():
-    # TOY on one device, fp32 (4-byte elements), b = 2, m = 1, nothing recomputed (scores
-    # stored): per layer forward 2 x 4 tokens x 160 elements x 4 B = 5120 B; forward plus a
-    # backward of twice it: 3 x 5120 = 15360 B a layer, 4 layers = 61440 B at 1 GB/s = 61.44 us
+    # TOY (3808 parameters) on one device, fp32 (4-byte elements), b = 2, m = 1, nothing
+    # recomputed (scores stored): per layer forward 2 x 4 tokens x 160 elements x 4 B =
+    # 5120 B; forward plus a backward of twice it: 3 x 5120 = 15360 B a layer, 4 layers =
+    # 61440 B; the loss: 8 tokens x 256 B = 2048 B; at 1 GB/s 63.488 us of memory_bound.
+    # Adam's step, its own part: 3808 x 28 = 106624 B, 106.624 us
     hw = TOY_HW.with_(n_devices=1, devices_per_node=1, memory_bandwidth=1e9)
     est = estimate(TOY, hw, Layout(), m=1, global_batch=2, mixed_precision=False)
-    assert est.time["memory_bound"] == pytest.approx(61.44e-6)
-    # full recomputation runs the forward again: 4 x 5120 x 4 layers = 81.92 us
+    assert TOY.n_params == 3808
+    assert est.time["memory_bound"] == pytest.approx(63.488e-6)
+    assert est.time["optimizer"] == pytest.approx(106.624e-6)
+    # full recomputation runs the layers' forward again: 4 x 5120 x 4 layers = 81.92 us
     full = estimate(TOY, hw, Layout(), m=1, global_batch=2, mixed_precision=False,
                     recompute=True)
-    assert full.time["memory_bound"] == pytest.approx(81.92e-6)
+    assert full.time["memory_bound"] == pytest.approx((81.92 + 2.048) * 1e-6)
+    # two microbatches: the layers and the loss twice, the optimizer step once
+    two = estimate(TOY, hw, Layout(), m=2, global_batch=4, mixed_precision=False)
+    assert two.time["memory_bound"] == pytest.approx(2 * 63.488e-6)
+    assert two.time["optimizer"] == pytest.approx(106.624e-6)
     # half the efficiency, twice the time; no bandwidth given, no charge
     slow = estimate(TOY, hw.with_(memory_efficiency=0.5), Layout(), m=1, global_batch=2,
                     mixed_precision=False)
-    assert slow.time["memory_bound"] == pytest.approx(2 * 61.44e-6)
-    assert estimate(TOY, hw.with_(memory_bandwidth=math.inf), Layout(), m=1, global_batch=2
-                    ).time["memory_bound"] == 0
-    assert est.step_time == pytest.approx(est.time["compute"] + 61.44e-6)
+    assert slow.time["memory_bound"] == pytest.approx(2 * 63.488e-6)
+    assert slow.time["optimizer"] == pytest.approx(2 * 106.624e-6)
+    free = estimate(TOY, hw.with_(memory_bandwidth=math.inf), Layout(), m=1, global_batch=2)
+    assert free.time["memory_bound"] == free.time["optimizer"] == 0
+    assert est.step_time == pytest.approx(est.time["compute"] + 170.112e-6)
+
+
+def test_zero_shards_the_optimizer_step():
+    # d = 2: each rank's loss covers its own 8 tokens; without ZeRO every rank updates all
+    # 3808 parameters, with ZeRO-1 half of them
+    hw = TOY_HW.with_(n_devices=2, devices_per_node=2, memory_bandwidth=1e9)
+    zero0 = estimate(TOY, hw, Layout(dp=2), m=1, global_batch=4, mixed_precision=False)
+    zero1 = estimate(TOY, hw, Layout(dp=2), m=1, global_batch=4, mixed_precision=False,
+                     zero=1)
+    assert zero0.time["memory_bound"] == zero1.time["memory_bound"] == pytest.approx(63.488e-6)
+    assert zero0.time["optimizer"] == pytest.approx(106.624e-6)
+    assert zero1.time["optimizer"] == pytest.approx(53.312e-6)
 
 
 def test_presets_run_at_their_generations_achievable_fraction():
@@ -80,7 +116,8 @@ def test_presets_run_at_their_generations_achievable_fraction():
     real = estimate(model, flat, Layout(dp=8), **kw)
     peak = estimate(model, flat.at_peak, Layout(dp=8), **kw)
     assert peak.time["compute"] / real.time["compute"] == pytest.approx(792.1 / 989)
-    assert real.mfu < peak.mfu and real.hfu == real.mfu  # nothing recomputed: HFU = MFU
+    # nothing recomputed: HFU = MFU
+    assert real.mfu < peak.mfu and real.hfu == pytest.approx(real.mfu)
 
 
 def test_uneven_stages_follow_the_slowest_and_the_worst_stage():
