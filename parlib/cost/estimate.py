@@ -202,6 +202,13 @@ class Estimate:
         return sum(self.time[k] for k in STEP_PARTS)
 
     @property
+    def device_work(self) -> float:
+        """Seconds of a step the devices spend on their own work, waiting on no link and no
+        other stage: compute, memory_bound and optimizer. The rest of ``step_time`` is
+        traffic left exposed and the pipeline's bubble."""
+        return self.time["compute"] + self.time["memory_bound"] + self.time["optimizer"]
+
+    @property
     def mfu(self) -> float:
         """Model FLOPs utilisation: the model's training FLOPs per second over the devices'
         datasheet peak (``n_devices x peak_flops``). The model's FLOPs are 6 x (weights a

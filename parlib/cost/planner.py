@@ -244,5 +244,22 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
     return "; ".join(parts)
 
 
+def experts_split_or_whole(model: Model, hardware: Hardware, *, global_batch: int
+                           ) -> tuple[Estimate | None, Estimate | None]:
+    """For a mixture of experts: the fastest layout that splits the experts (e > 1) and
+    the fastest that keeps every expert on every rank of its group (e = 1, sharding them
+    with ZeRO where they must be), each at its best setting (:func:`best_layouts`); None
+    where no such layout fits. Splitting pays four all-to-alls per MoE layer; keeping them
+    whole pays their whole gradient sync (and, under ZeRO-3, a gather of every expert for
+    every microbatch): which is faster depends on the model, the batch and the links."""
+    if not model.is_moe:
+        raise ValueError(f"{model.name or 'the model'} has no experts to split")
+    ranked = best_layouts(model, hardware, global_batch=global_batch, top=10**9)
+    split = next((e for e in ranked if e.layout.ep > 1), None)
+    whole = next((e for e in ranked if e.layout.ep == 1), None)
+    return split, whole
+
+
 __all__ = ["MAX_CP", "MEMORY_BINDS_ABOVE", "MIN_CP_POSITIONS", "OVERHEAD_WORTH_NAMING",
-           "best_layouts", "binding_constraint", "candidate_layouts", "divisors"]
+           "best_layouts", "binding_constraint", "candidate_layouts", "divisors",
+           "experts_split_or_whole"]

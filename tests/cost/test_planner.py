@@ -129,3 +129,20 @@ def test_a_long_sequence_is_split_over_context_parallel_ranks():
     assert LLAMA_7B.seq_len // 2 < MIN_CP_POSITIONS
     assert all(lay.cp == 1 for lay, _, _ in candidate_layouts(LLAMA_7B, hw, 64))
     assert any(lay.cp == 16 for lay, _, _ in candidate_layouts(LLAMA_7B_128K, hw, 8))
+
+
+def test_experts_split_or_whole_gives_the_fastest_of_each_kind():
+    from parlib.cost.planner import experts_split_or_whole
+
+    moe = Model(32, 4096, 32, 4096, 32000, ffn_dim=14336, n_kv_heads=8, gated_mlp=True,
+                bias=False, learned_positions=False, n_experts=8, top_k=2)
+    hardware = Hardware.dgx_h100(64)
+    split, whole = experts_split_or_whole(moe, hardware, global_batch=512)
+    assert split.layout.ep > 1 and whole.layout.ep == 1
+    ranked = best_layouts(moe, hardware, global_batch=512, top=10**6)
+    # each is the first of its kind in the planner's order, and one of them is its pick
+    assert split.layout == next(e.layout for e in ranked if e.layout.ep > 1)
+    assert whole.layout == next(e.layout for e in ranked if e.layout.ep == 1)
+    assert ranked[0].layout in (split.layout, whole.layout)
+    with pytest.raises(ValueError, match="no experts to split"):
+        experts_split_or_whole(Model(4, 64, 4, 32, 100), hardware, global_batch=8)

@@ -84,6 +84,12 @@ def test_estimate_charges_memory_bound_time_beside_compute():
     free = estimate(TOY, hw.with_(memory_bandwidth=math.inf), Layout(), m=1, global_batch=2)
     assert free.time["memory_bound"] == free.time["optimizer"] == 0
     assert est.step_time == pytest.approx(est.time["compute"] + 170.112e-6)
+    # on one device nothing waits on a link: the step is the devices' own work
+    assert est.device_work == pytest.approx(est.step_time)
+    two_ranks = estimate(TOY, TOY_HW.with_(n_devices=2, memory_bandwidth=1e9), Layout(dp=2), m=1,
+                         global_batch=4, mixed_precision=False, dp_overlap=False)
+    assert two_ranks.step_time == pytest.approx(two_ranks.device_work
+                                                + two_ranks.time["dp_sync"])
 
 
 def test_zero_shards_the_optimizer_step():
