@@ -24,7 +24,7 @@ from __future__ import annotations
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.model import Model
-from parlib.cost.published import RUNS, TARGET_BAND, PublishedRun
+from parlib.cost.published import RUNS, TARGET_BAND, PublishedRun, comparison_table
 
 _SOURCE = "MosaicML llm-foundry, scripts/train/benchmarking/README.md"
 # (n_layers, d_model, n_heads) of scripts/train/yamls/pretrain/mpt-<size>.yaml
@@ -202,20 +202,10 @@ def against_published(mfu: float, generation: str) -> str:
 
 def foundry_table(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
                   band: tuple[float, float] = TARGET_BAND) -> str:
-    """Each row's predicted and reported MFU and their ratio, the in-band share, then the
-    trend per model (ratio at the largest GPU count over the smallest's)."""
-    rows = [f"{'run':<22} {'fits':<5} {'GB/dev':>7} {'predicted':>9} {'reported':>8} "
-            f"{'reported/predicted':>18}"]
-    inside = 0
-    for run in runs:
-        est = run.estimate()
-        ratio = run.ratio(est)
-        inside += band[0] <= ratio <= band[1]
-        rows.append(f"{run.name:<22} {str(est.fits):<5} {est.memory_total / 1e9:>7.1f} "
-                    f"{run.predicted(est):>9.0%} {run.reported:>8.0%} {ratio:>18.2f}")
-    rows.append(f"{inside} of {len(runs)} rows ({inside / len(runs):.0%}) within "
-                f"reported/predicted {band[0]:g}-{band[1]:g} (target {TARGET_SHARE:.0%})")
-    rows.append("")
+    """Each row's predicted and reported MFU and their ratio and the in-band share
+    (:func:`~parlib.cost.published.comparison_table`), then the trend per model (ratio at
+    the largest GPU count over the smallest's)."""
+    rows = [comparison_table(runs, band, target=TARGET_SHARE), ""]
     rows.append(f"{'model':<22} {'GPUs':>9} {'ratio at most / at fewest GPUs':>31}")
     trend = trends(runs)
     within = 0

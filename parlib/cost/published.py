@@ -393,10 +393,12 @@ def agreement(runs: tuple[PublishedRun, ...] = RUNS,
 
 
 def comparison_table(runs: tuple[PublishedRun, ...] = RUNS,
-                     band: tuple[float, float] = TARGET_BAND) -> str:
+                     band: tuple[float, float] = TARGET_BAND, *,
+                     target: float | None = None) -> str:
     """Predicted (at the generation's achievable compute) next to reported, one row per run,
-    then how many runs fall in ``band``."""
-    rows = [f"{'run':<30} {'fits':<5} {'GB/dev':>7} {'metric':<6} {'predicted':>9} "
+    then how many runs fall in ``band`` (and their share, against ``target`` if given)."""
+    width = max(len(run.name) for run in runs)
+    rows = [f"{'run':<{width}} {'fits':<5} {'GB/dev':>7} {'metric':<6} {'predicted':>9} "
             f"{'reported':>8} {'reported/predicted':>18}"]
     inside = 0
     for run in runs:
@@ -404,10 +406,11 @@ def comparison_table(runs: tuple[PublishedRun, ...] = RUNS,
         pred = run.predicted(est)
         ratio = run.reported / pred
         inside += band[0] <= ratio <= band[1]
-        rows.append(f"{run.name:<30} {str(est.fits):<5} {est.memory_total / 1e9:>7.1f} "
+        rows.append(f"{run.name:<{width}} {str(est.fits):<5} {est.memory_total / 1e9:>7.1f} "
                     f"{run.metric:<6} {pred:>9.0%} {run.reported:>8.0%} {ratio:>18.2f}")
-    rows.append(f"{inside} of {len(runs)} runs within reported/predicted "
-                f"{band[0]:g}-{band[1]:g}")
+    rows.append(f"{inside} of {len(runs)} runs ({inside / len(runs):.0%}) within "
+                f"reported/predicted {band[0]:g}-{band[1]:g}"
+                + (f" (target {target:.0%})" if target is not None else ""))
     return "\n".join(rows)
 
 

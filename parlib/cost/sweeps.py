@@ -251,15 +251,15 @@ def sweep_table(sweep: Sweep) -> str:
 def ranking_table(sweeps: tuple[Sweep, ...] = SWEEPS) -> str:
     """Per sweep: layouts, Spearman correlation, the model's pick, the measured best, and the
     pick's measured throughput over the best's."""
-    rows = [f"{'sweep':<46} {'layouts':>7} {'spearman':>8} {'pick/best':>9}  model's pick "
-            f"/ measured best"]
+    rows = [f"{'sweep':<46} {'layouts':>7} {'spearman':>8} {'pick/best':>9}"]
     for sweep in sweeps:
         ests = sweep.estimates()
         pick = sweep.top_pick(ests)
         measured = sweep.measured()
         best = max(range(len(measured)), key=measured.__getitem__)
         rows.append(f"{sweep.name:<46} {len(sweep.points):>7} {sweep.correlation(ests):>8.2f} "
-                    f"{sweep.top_pick_ratio(ests):>9.2f}  {sweep.points[pick].label} / "
+                    f"{sweep.top_pick_ratio(ests):>9.2f}")
+        rows.append(f"  model's pick {sweep.points[pick].label}, measured best "
                     f"{sweep.points[best].label}")
     rows.append(f"targets: spearman >= {TARGET_CORRELATION:g}, pick/best >= {TARGET_PICK:g}")
     return "\n".join(rows)

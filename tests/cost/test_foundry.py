@@ -51,7 +51,8 @@ def test_table_prints_share_and_trend():
     print("\n" + table)
     share = in_band_share()
     inside = round(share * len(FOUNDRY_RUNS))
-    assert f"{inside} of {len(FOUNDRY_RUNS)} rows ({share:.0%})" in table
+    assert f"{inside} of {len(FOUNDRY_RUNS)} runs ({share:.0%}) within" in table
+    assert len(table.splitlines()) == len(FOUNDRY_RUNS) + 2 + 1 + len(trends()) + 2
     assert "models within 15%" in table
 
 

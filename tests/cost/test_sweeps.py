@@ -109,9 +109,14 @@ def test_correlation_and_pick_come_from_the_measurements():
 def test_ranking_table_prints_each_sweep():
     table = ranking_table()
     print("\n" + table)
-    assert len(table.splitlines()) == len(SWEEPS) + 2
+    assert len(table.splitlines()) == 2 * len(SWEEPS) + 2
+    assert max(len(line) for line in table.splitlines()) <= 100  # the course's line width
     for sweep in SWEEPS:
         assert f"{sweep.correlation():.2f}" in table
+        measured = sweep.measured()
+        best = sweep.points[max(range(len(measured)), key=measured.__getitem__)]
+        assert f"model's pick {sweep.points[sweep.top_pick()].label}, measured best " \
+               f"{best.label}" in table
 
 
 def test_bad_sweeps_are_refused():
