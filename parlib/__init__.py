@@ -20,7 +20,7 @@ The package, in layers (each imports only what is listed before it):
 - :mod:`parlib.measure`: time, bytes, memory, timelines, emulated costs.
 - :mod:`parlib.model`: the shared tiny transformer, its data and training step.
 - :mod:`parlib.verify`: the single-device reference run and the one comparison rule.
-- :mod:`parlib.strategies`: data (plain and sharded), tensor, pipeline and context
+- :mod:`parlib.strategies`: data (plain and sharded), tensor, pipeline, context and expert
   parallelism and their combination, as code one could copy into a training script (torch,
   ``parlib.comm``, the cost formulas and the model only).
 - :mod:`parlib.experiments`: the chapters' harnesses around the strategies: launch, time,
