@@ -117,7 +117,7 @@ def test_what_the_issue_found_stale_stays_gone():
     assert "measure_rate()" in choosing_code and "slow_link_beta(EMULATED_RATE)" in choosing_code
     for term in ("**MFU**", "**HFU**"):  # defined where first used
         assert term in choosing, term
-    # chapter 06's advice on splitting the experts names the other ways to fit them, and the
+    # the experts chapter's advice on splitting them names the other ways to fit them, and the
     # choosing chapter times the fastest of each kind for its Mixtral shape
     experts = "\n".join(_cells("06_expert_parallel", "markdown"))
     assert "ZeRO-3 shards them" in experts and "The choosing chapter times" in experts
