@@ -72,6 +72,7 @@ from parlib.cost.memory import (
     model_state_bytes,
     model_state_bytes_by_kind,
     model_state_bytes_per_param,
+    model_state_formula,
 )
 from parlib.cost.model import Model
 from parlib.cost.pipeline import (
@@ -135,6 +136,7 @@ __all__ = [
     "model_state_bytes",
     "model_state_bytes_by_kind",
     "model_state_bytes_per_param",
+    "model_state_formula",
     "padded_numel",
     "per_link_alpha_beta",
     "predicted_sent_bytes",
