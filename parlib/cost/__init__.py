@@ -44,6 +44,7 @@ from parlib.cost.collectives import (
 from parlib.cost.context import (
     all_gather_kv_sent_bytes_per_layer,
     causal_block_work,
+    causal_unmasked_scores,
     cp_activation_bytes_per_layer,
     kv_block_bytes,
     ring_attention_sent_bytes_per_layer,
@@ -120,6 +121,7 @@ __all__ = [
     "bus_bandwidth",
     "candidate_layouts",
     "causal_block_work",
+    "causal_unmasked_scores",
     "collective_time",
     "cp_activation_bytes_per_layer",
     "estimate",
