@@ -73,7 +73,7 @@ def test_tokens_per_expert_legend_is_clear_of_the_bars_and_capacity_lines():
 
 
 def test_timelines_on_a_shared_time_axis_show_every_step_in_full():
-    """Chapter 04's GPipe figure: three rows share a time axis, drawn longest step first.
+    """The pipeline chapter's GPipe figure: three rows share a time axis, drawn longest step first.
     Each call used to set the shared limit to its own step, so the last (shortest) one
     clipped the others and their "predicted end" labels floated outside the axes."""
     import matplotlib.pyplot as plt

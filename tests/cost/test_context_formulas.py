@@ -79,7 +79,7 @@ def test_causal_work_contiguous_is_unbalanced_zigzag_is_not():
 
 
 def test_causal_scores_counted_one_by_one():
-    """Chapter 05 said the contiguous split's last rank does c times the first's work: in
+    """The context-parallel chapter said the contiguous split's last rank does c times the first's work: in
     blocks, yes; in the scores the mask leaves, a diagonal block is about half full and the
     ratio is about 2c - 1. Both splits do the same scores in all, s(s+1)/2."""
     s = 32
@@ -95,7 +95,7 @@ def test_causal_scores_counted_one_by_one():
             assert sum(got) == s * (s + 1) // 2
         assert len(set(causal_unmasked_scores(s, cp, zigzag=True))) == 1
     contiguous = causal_unmasked_scores(32, 4)
-    assert contiguous == [36, 100, 164, 228]  # chapter 05's s = 32, c = 4
+    assert contiguous == [36, 100, 164, 228]  # the context-parallel chapter's s = 32, c = 4
     assert contiguous[-1] / contiguous[0] == pytest.approx(1 + 2 * 3 * 8 / 9)
     long = causal_unmasked_scores(4 * 4096, 4)
     assert long[-1] / long[0] == pytest.approx(2 * 4 - 1, rel=1e-3)  # not c = 4

@@ -1,6 +1,6 @@
-"""What issue 40 found in the prose of chapters 02, 04, 05 and 08 stays gone: each sentence
-that disagreed with the run is now printed from the run's numbers or from parlib.cost, or
-says what the code does."""
+"""What issue 40 found in the prose of the sharded-data-parallel, pipeline, context-parallel
+and choosing chapters stays gone: each sentence that disagreed with the run is now printed
+from the run's numbers or from parlib.cost, or says what the code does."""
 
 from __future__ import annotations
 

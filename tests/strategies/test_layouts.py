@@ -216,7 +216,7 @@ def test_prediction_charges_the_output_layer_where_the_emulated_device_does():
 
 
 def test_other_holds_what_no_counted_span_covers_a_pipelines_sends_too():
-    """Chapter 08 said 'other' grows with the parameters a rank holds; in the run it was
+    """The choosing chapter said 'other' grows with the parameters a rank holds; in the run it was
     largest for p = 4, whose ranks hold the fewest: a pipeline's sends (and the wait for
     them at the end of the step) are in no counted part, so they land in other."""
     from parlib.measure.timeline import Span
