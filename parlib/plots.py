@@ -10,6 +10,7 @@ than one chapter draws (a chapter's one-off figures stay in its notebook).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -103,6 +104,10 @@ def _short(value: float) -> str:
     return f"{value:.0f}" if value.is_integer() else f"{value:.2g}"
 
 
+# axes draw_timeline has drawn on: the ones whose time axis a shared row must not narrow
+_TIMELINE_AXES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def draw_timeline(
     spans_by_rank: Sequence[Iterable[Span]],
     ax: Any = None,
@@ -122,8 +127,9 @@ def draw_timeline(
     "tp", "dp", ...) above or below it as :data:`AXIS_STYLE` places them. ``unit``: "ms"
     (spans in seconds, drawn in ms), "s", or "t" (schedule time units, drawn as they are).
     ``ideal``: draw the predicted step end as a dashed line (same units as the spans).
-    ``row_labels``: one label per row, top first (default "stage r"). Returns the
-    matplotlib Axes.
+    ``row_labels``: one label per row, top first (default "stage r"). On axes that share
+    their x-axis with timelines drawn before, the time axis only widens, to the longest
+    step of them all. Returns the matplotlib Axes.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -174,8 +180,14 @@ def draw_timeline(
     ax.set_yticklabels(list(reversed(row_labels if row_labels is not None
                                      else [f"stage {r}" for r in range(p)])))
     ax.set_ylim(-0.75, p - 0.2)
-    right = max(width_total, (ideal or 0) * scale)
-    ax.set_xlim(0, right * 1.01)
+    right = max(width_total, (ideal or 0) * scale) * 1.01
+    # rows sharing a time axis: widen it to the longest step drawn so far, never narrow it,
+    # so that a shorter step drawn later neither clips the longer ones nor hides their end
+    drawn = [a.get_xlim()[1] for a in ax.get_shared_x_axes().get_siblings(ax)
+             if a is not ax and a in _TIMELINE_AXES]
+    right = max([right, *drawn])
+    _TIMELINE_AXES.add(ax)
+    ax.set_xlim(0, right)
     ax.set_xlabel(xlabel)
     full = title or ""
     if caption:

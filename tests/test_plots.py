@@ -70,3 +70,28 @@ def test_tokens_per_expert_legend_is_clear_of_the_bars_and_capacity_lines():
     # counts of choices: whole-number ticks only
     assert all(float(t).is_integer() for t in ax.get_yticks()), ax.get_yticks()
     plt.close("all")
+
+
+def test_timelines_on_a_shared_time_axis_show_every_step_in_full():
+    """The pipeline chapter's GPipe figure: three rows share a time axis, drawn longest step first.
+    Each call used to set the shared limit to its own step, so the last (shortest) one
+    clipped the others and their "predicted end" labels floated outside the axes."""
+    import matplotlib.pyplot as plt
+
+    from parlib.measure.timeline import Span
+    from parlib.plots import draw_timeline
+
+    steps = [0.980, 0.462, 0.388]  # s: GPipe m = 1, 4, 8 in one run
+    fig, axes = plt.subplots(3, 1, sharex=True)
+    for ax, step in zip(axes, steps):
+        draw_timeline([[Span(0, "forward", 0.0, step / 2, 0),
+                        Span(0, "backward", step / 2, step, 0)]], ax, ideal=step)
+    right = axes[-1].get_xlim()[1]
+    assert right >= 1e3 * max(steps)  # the longest step in full, in every row
+    assert right < 1.05e3 * max(steps)
+    for ax, step in zip(axes, steps):  # each label inside, at its own step's end
+        label = next(t for t in ax.texts if "predicted end" in t.get_text())
+        assert label.get_position()[0] == pytest.approx(1e3 * step) and 1e3 * step <= right
+    alone = draw_timeline([[Span(0, "forward", 0.0, 0.1, 0)]])  # not shared: its own step
+    assert alone.get_xlim()[1] < 1e3 * 0.2
+    plt.close("all")

@@ -44,6 +44,7 @@ from parlib.cost.collectives import (
 from parlib.cost.context import (
     all_gather_kv_sent_bytes_per_layer,
     causal_block_work,
+    causal_unmasked_scores,
     cp_activation_bytes_per_layer,
     kv_block_bytes,
     ring_attention_sent_bytes_per_layer,
@@ -72,6 +73,7 @@ from parlib.cost.memory import (
     model_state_bytes,
     model_state_bytes_by_kind,
     model_state_bytes_per_param,
+    model_state_formula,
 )
 from parlib.cost.model import Model
 from parlib.cost.pipeline import (
@@ -119,6 +121,7 @@ __all__ = [
     "bus_bandwidth",
     "candidate_layouts",
     "causal_block_work",
+    "causal_unmasked_scores",
     "collective_time",
     "cp_activation_bytes_per_layer",
     "estimate",
@@ -135,6 +138,7 @@ __all__ = [
     "model_state_bytes",
     "model_state_bytes_by_kind",
     "model_state_bytes_per_param",
+    "model_state_formula",
     "padded_numel",
     "per_link_alpha_beta",
     "predicted_sent_bytes",

@@ -101,8 +101,9 @@ def causal_block_work(cp: int, zigzag: bool = False) -> list[int]:
     """Per rank, how many (query chunk, key chunk) pairs of a causal mask are not fully
     masked, with the sequence cut into cp chunks (contiguous: rank r holds chunk r) or
     2 x cp chunks (zig-zag: rank r holds chunks r and 2cp - 1 - r). A chunk pair on the
-    diagonal counts as one. Contiguous: rank r does r + 1 (the last rank cp times the
-    first's); zig-zag: every rank does 2cp + 1 of the (2cp)^2 half-size pairs."""
+    diagonal counts as one (:func:`causal_unmasked_scores` counts its scores). Contiguous:
+    rank r does r + 1 blocks (the last rank cp times the first's); zig-zag: every rank does
+    2cp + 1 of the (2cp)^2 half-size pairs."""
     if cp < 1:
         raise ValueError(f"cp must be >= 1, got {cp!r}")
     if not zigzag:
@@ -114,6 +115,30 @@ def causal_block_work(cp: int, zigzag: bool = False) -> list[int]:
     return work
 
 
+def causal_unmasked_scores(seq_len: int, cp: int, zigzag: bool = False) -> list[int]:
+    """Per rank, the (query, key) scores a causal mask leaves (key position <= query
+    position), with the sequence of ``seq_len`` split as :func:`causal_block_work` splits
+    it. Counted this way a block on the diagonal is about half full, where
+    :func:`causal_block_work` charges it whole. Both splits sum to s(s+1)/2. Contiguous
+    chunks of n = s/cp positions: rank r gets n^2 r + n(n+1)/2, so the last rank does
+    1 + 2(cp-1) n/(n+1) times the first's, about 2cp - 1 (not cp); zig-zag: the same on
+    every rank."""
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp!r}")
+    chunks = 2 * cp if zigzag else cp
+    if seq_len < chunks or seq_len % chunks:
+        raise ValueError(f"seq_len {seq_len} does not split into {chunks} equal chunks "
+                         f"({'2 x ' if zigzag else ''}cp = {cp}); pick a multiple of {chunks}")
+    n = seq_len // chunks
+
+    def chunk(c: int) -> int:  # queries c n .. c n + n - 1 see keys 0 .. q
+        return n * n * c + n * (n + 1) // 2
+
+    if not zigzag:
+        return [chunk(r) for r in range(cp)]
+    return [chunk(r) + chunk(chunks - 1 - r) for r in range(cp)]
+
+
 __all__ = ["CP_ATTENTIONS", "LSE_BYTES", "all_gather_kv_sent_bytes_per_layer",
-           "causal_block_work", "cp_activation_bytes_per_layer", "kv_block_bytes",
-           "ring_attention_sent_bytes_per_layer", "ring_sends_per_layer"]
+           "causal_block_work", "causal_unmasked_scores", "cp_activation_bytes_per_layer",
+           "kv_block_bytes", "ring_attention_sent_bytes_per_layer", "ring_sends_per_layer"]

@@ -31,30 +31,54 @@ def adam_bytes_per_param(mixed_precision: bool = False) -> int:
     return sum(model_state_bytes_per_param(mixed_precision).values())
 
 
+# From which ZeRO stage each kind of model state is sharded over the N ranks.
+_SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3, "shard copy": 1}
+
+
 def model_state_bytes_by_kind(n_params: float, world_size: int = 1, zero_stage: int = 0,
-                              mixed_precision: bool = False) -> dict[str, float]:
+                              mixed_precision: bool = False,
+                              shard_copy: bool = False) -> dict[str, float]:
     """Model-state bytes per rank by kind, {"params", "grads", "optimizer"}, with Adam under
     ZeRO stage 0-3 over ``world_size`` data-parallel ranks: stage 1 shards the optimizer
-    state, stage 2 also the gradients, stage 3 also the weights."""
+    state, stage 2 also the gradients, stage 3 also the weights.
+
+    ``shard_copy``: also count, as kind "shard copy", the fp32 copy of its shard of the
+    weights that a ZeRO-1 or ZeRO-2 rank's optimizer steps while the model keeps its own
+    whole weights (this course's fp32 ``Zero1`` and ``Zero2``): 4P/N. In mixed precision
+    that copy is the master weights, already in "optimizer", so it adds nothing."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size!r}")
-    per = model_state_bytes_per_param(mixed_precision)
-    sharded_from = {"optimizer": 1, "grads": 2, "params": 3}
-    return {kind: per[kind] * n_params / (world_size if zero_stage >= stage else 1)
-            for kind, stage in sharded_from.items()}
+    per = dict(model_state_bytes_per_param(mixed_precision))
+    if shard_copy and zero_stage in (1, 2) and not mixed_precision:
+        per["shard copy"] = per["params"]
+    return {kind: per[kind] * n_params / (world_size if zero_stage >= _SHARDED_FROM[kind] else 1)
+            for kind in per}
 
 
 def model_state_bytes(n_params: float, world_size: int = 1, zero_stage: int = 0,
-                      mixed_precision: bool = False) -> float:
-    """Model-state bytes per rank with Adam under ZeRO stage 0-3 over ``world_size`` ranks.
+                      mixed_precision: bool = False, shard_copy: bool = False) -> float:
+    """Model-state bytes per rank with Adam under ZeRO stage 0-3 over ``world_size`` ranks
+    (``shard_copy``: as in :func:`model_state_bytes_by_kind`).
 
     fp32: 16P unsharded; stage 1 gives 8P + 8P/N, stage 2 4P + 12P/N, stage 3 16P/N.
-    Mixed precision: stage 1 gives 4P + 12P/N.
+    Mixed precision: stage 1 gives 4P + 12P/N. :func:`model_state_formula` writes them.
     """
-    return sum(model_state_bytes_by_kind(n_params, world_size, zero_stage,
-                                         mixed_precision).values())
+    return sum(model_state_bytes_by_kind(n_params, world_size, zero_stage, mixed_precision,
+                                         shard_copy).values())
+
+
+def model_state_formula(zero_stage: int, mixed_precision: bool = False,
+                        shard_copy: bool = False) -> str:
+    """:func:`model_state_bytes` as a formula in P (parameters) and N (ranks), e.g.
+    "8P + 12P/N" for fp32 ZeRO-1 with its shard copy: the bytes held whole, then the
+    bytes sharded N ways."""
+    kinds = model_state_bytes_by_kind(1, 1, zero_stage, mixed_precision, shard_copy)
+    whole = sum(b for k, b in kinds.items() if zero_stage < _SHARDED_FROM[k])
+    split = sum(b for k, b in kinds.items() if zero_stage >= _SHARDED_FROM[k])
+    terms = ([f"{whole:g}P"] if whole else []) + ([f"{split:g}P/N"] if split else [])
+    return " + ".join(terms)
 
 
 # Activations: what a transformer layer keeps for its backward pass. Korthikanti et al. 2022,
@@ -208,4 +232,5 @@ __all__ = ["MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES", "activation_b
            "memory_bound_bytes_per_layer", "adam_bytes_per_param", "logits_bytes",
            "loss_bytes_per_token", "optimizer_step_bytes_per_param",
            "model_activation_bytes",
-           "model_state_bytes", "model_state_bytes_by_kind", "model_state_bytes_per_param"]
+           "model_state_bytes", "model_state_bytes_by_kind", "model_state_bytes_per_param",
+           "model_state_formula"]

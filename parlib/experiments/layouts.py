@@ -130,7 +130,8 @@ def emulated_device(model: Model, layout: Layout, *, last: bool,
 def _parts(rec: Recorder, took: float) -> dict[str, float]:
     """Seconds of one step by kind: compute (forward and backward, emulated padding
     included, the all-reduces inside them not), tp, recv (waiting for a neighbour, link
-    time included), dp, and other (the optimizer step, copies, the rest)."""
+    time included), dp, and other (the optimizer step, copies, a pipeline's sends and the
+    wait for them at the end of the step, the rest)."""
     total = {k: 0.0 for k in ("compute", "tp", "recv", "dp")}
     for span in rec.spans:
         kind = "compute" if span.kind in ("forward", "backward") else span.kind
@@ -481,7 +482,7 @@ def table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
 def parts_table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -> str:
     """Where the step goes (ms), predicted / measured: compute, tensor-parallel all-reduces,
     pipeline (bubble and sends predicted; waiting to receive measured), gradient sync, and
-    the rest (measured only: optimizer step, copies)."""
+    the rest (measured only: optimizer step, copies, a pipeline's sends)."""
     heads = ("compute", "tensor-par.", "pipeline", "grad. sync")
     lines = ["ms per step, predicted / measured",
              f"{'layout':<10} " + " ".join(f"{h:>11}" for h in heads) + f" {'other':>6}"]
@@ -493,7 +494,8 @@ def parts_table(estimates: Sequence[Estimate], rows: Sequence[dict[str, Any]]) -
                      f"{r['parts']['other'] * 1e3:>6.0f}")
     lines.append("tensor-par.: tensor-parallel all-reduces; pipeline: bubble and boundary "
                  "sends (measured: waiting to receive); grad. sync: the data-parallel "
-                 "all-reduce; other: measured only (optimizer step, copies)")
+                 "all-reduce; other: measured only (optimizer step, copies, a pipeline's "
+                 "sends)")
     return "\n".join(lines)
 
 

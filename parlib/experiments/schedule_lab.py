@@ -16,7 +16,8 @@ measured and predicted:
   same formula: 1 - the ranks' compute / (p x predicted step);
 * peak in-flight activations per rank -- measured from the ops as they ran (a (microbatch,
   chunk) is held from the start of its forward to the end of its backward, or of its W
-  when the backward is split); predicted from the schedule's op lists;
+  when the backward is split); predicted from the schedule's op lists; the table counts
+  them in microbatches of a whole stage (an interleaved chunk's count 1/v);
 * messages sent per rank -- measured: the send spans the runner recorded; predicted:
   :func:`parlib.cost.messages_per_rank`.
 
@@ -254,11 +255,14 @@ def run_schedule_lab(
 def lab_table(runs: Sequence[LabRun]) -> list[dict[str, Any]]:
     """One row per schedule: step time (ms, measured median and its spread, predicted),
     bubble, peak in-flight activations (most over ranks) and messages (all ranks), each
-    measured and predicted."""
+    measured and predicted. Peaks are in microbatches of a whole stage, whatever the
+    schedule: a microbatch in one of an interleaved rank's v chunks holds 1/v of the
+    stage's layers, so it counts 1/v (an interleaved 8 chunk-microbatches is 4)."""
     rows = []
     for run in runs:
         pred = run.prediction
         fast, slow = run.spread
+        per_rank = {r: k / run.v for r, k in run.peak_in_flight.items()}
         rows.append({
             "schedule": run.title,
             "step_ms": run.step * 1e3,
@@ -267,9 +271,9 @@ def lab_table(runs: Sequence[LabRun]) -> list[dict[str, Any]]:
             "ratio": run.ratio,
             "bubble": run.bubble,
             "bubble_predicted": pred.bubble,
-            "peak_in_flight": max(run.peak_in_flight.values()),
-            "peak_in_flight_predicted": max(pred.peak_in_flight.values()),
-            "peak_in_flight_per_rank": run.peak_in_flight,
+            "peak_in_flight": max(per_rank.values()),
+            "peak_in_flight_predicted": max(pred.peak_in_flight.values()) / run.v,
+            "peak_in_flight_per_rank": per_rank,
             "messages": sum(run.messages.values()),
             "messages_predicted": sum(pred.messages.values()),
             "messages_per_rank": run.messages,
@@ -278,9 +282,10 @@ def lab_table(runs: Sequence[LabRun]) -> list[dict[str, Any]]:
 
 
 def format_lab_table(runs: Sequence[LabRun]) -> str:
-    """:func:`lab_table` as aligned text, measured / predicted in each column."""
+    """:func:`lab_table` as aligned text, measured / predicted in each column (peaks in
+    stage-microbatches)."""
     head = (f"{'schedule':<17}{'step ms (min-max)':>22}{'predicted':>11}{'ratio':>7}"
-            f"{'bubble':>15}{'peak in flight':>16}{'messages':>12}")
+            f"{'bubble':>15}{'peak, stage-mb':>16}{'messages':>12}")
     lines = [head]
     for row in lab_table(runs):
         fast, slow = row["step_spread_ms"]
@@ -289,7 +294,7 @@ def format_lab_table(runs: Sequence[LabRun]) -> str:
             + f"{row['step_ms']:.1f} ({fast:.0f}-{slow:.0f})".rjust(22)
             + f"{row['step_ms_predicted']:>11.1f}{row['ratio']:>7.3f}"
             + f"{row['bubble']:.3f} / {row['bubble_predicted']:.3f}".rjust(15)
-            + f"{row['peak_in_flight']} / {row['peak_in_flight_predicted']}".rjust(16)
+            + f"{row['peak_in_flight']:g} / {row['peak_in_flight_predicted']:g}".rjust(16)
             + f"{row['messages']} / {row['messages_predicted']}".rjust(12))
     return "\n".join(lines)
 

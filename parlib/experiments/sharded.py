@@ -198,7 +198,7 @@ def predicted_ledger(stage: str, cfg: ModelConfig, rows: int, world_size: int) -
     for kind, from_stage in (("optimizer", 1), ("grads", 2), ("params", 3)):
         out[kind] = sharded[kind] if z >= from_stage else unsharded[kind]
     if z in (1, 2):
-        out["shard copy"] = sharded["params"]
+        out["shard copy"] = model_state_bytes_by_kind(padded, n, z, shard_copy=True)["shard copy"]
     layers = activation_bytes_per_layer(cfg.seq_len, rows, cfg.d_model, cfg.n_heads,
                                         recompute="selective", dtype_bytes=4, dropout=False)
     if z == 3:  # the peak: the last block's forward ends, its weights and the root's whole

@@ -6,6 +6,7 @@ from parlib.cost.context import (
     LSE_BYTES,
     all_gather_kv_sent_bytes_per_layer,
     causal_block_work,
+    causal_unmasked_scores,
     cp_activation_bytes_per_layer,
     kv_block_bytes,
     ring_attention_sent_bytes_per_layer,
@@ -75,6 +76,33 @@ def test_causal_work_contiguous_is_unbalanced_zigzag_is_not():
         zig = causal_block_work(cp, zigzag=True)
         assert len(set(zig)) == 1
         assert sum(zig) == 2 * cp * (2 * cp + 1) // 2  # the lower triangle of 2cp chunks
+
+
+def test_causal_scores_counted_one_by_one():
+    """The context-parallel chapter said the contiguous split's last rank does c times the first's work: in
+    blocks, yes; in the scores the mask leaves, a diagonal block is about half full and the
+    ratio is about 2c - 1. Both splits do the same scores in all, s(s+1)/2."""
+    s = 32
+    for cp in (1, 2, 4):
+        for zigzag in (False, True):
+            got = causal_unmasked_scores(s, cp, zigzag)
+            # brute force: rank r's queries, each seeing keys 0..q
+            chunks = 2 * cp if zigzag else cp
+            n = s // chunks
+            mine = [(r, chunks - 1 - r) if zigzag else (r,) for r in range(cp)]
+            want = [sum(q + 1 for c in cs for q in range(c * n, (c + 1) * n)) for cs in mine]
+            assert got == want
+            assert sum(got) == s * (s + 1) // 2
+        assert len(set(causal_unmasked_scores(s, cp, zigzag=True))) == 1
+    contiguous = causal_unmasked_scores(32, 4)
+    assert contiguous == [36, 100, 164, 228]  # the context-parallel chapter's s = 32, c = 4
+    assert contiguous[-1] / contiguous[0] == pytest.approx(1 + 2 * 3 * 8 / 9)
+    long = causal_unmasked_scores(4 * 4096, 4)
+    assert long[-1] / long[0] == pytest.approx(2 * 4 - 1, rel=1e-3)  # not c = 4
+    with pytest.raises(ValueError, match="seq_len 30 does not split into 8 equal chunks"):
+        causal_unmasked_scores(30, 4, zigzag=True)
+    with pytest.raises(ValueError, match="cp must be >= 1"):
+        causal_unmasked_scores(32, 0)
 
 
 def test_bad_input_is_named():

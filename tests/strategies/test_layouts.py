@@ -213,3 +213,17 @@ def test_prediction_charges_the_output_layer_where_the_emulated_device_does():
     light_time = light.duration("forward", 8) + light.duration("backward", 8)
     assert p4.time["pp_bubble"] == pytest.approx(light_time * 3 / 4)
     assert p4.time["pp_bubble"] < 3 / 4 * p4.time["compute"]
+
+
+def test_other_holds_what_no_counted_span_covers_a_pipelines_sends_too():
+    """The choosing chapter said 'other' grows with the parameters a rank holds; in the run it was
+    largest for p = 4, whose ranks hold the fewest: a pipeline's sends (and the wait for
+    them at the end of the step) are in no counted part, so they land in other."""
+    from parlib.measure.timeline import Span
+
+    rec = SimpleNamespace(spans=[Span(0, "forward", 0.0, 0.10, 0), Span(0, "send", 0.10, 0.13, 0),
+                                 Span(0, "recv", 0.13, 0.15, 1),
+                                 Span(0, "backward", 0.15, 0.35, 0)])
+    parts = L._parts(rec, took=0.40)
+    assert parts["compute"] == pytest.approx(0.30) and parts["recv"] == pytest.approx(0.02)
+    assert parts["other"] == pytest.approx(0.40 - 0.30 - 0.02)  # the send's 0.03 and the rest

@@ -99,8 +99,13 @@ def test_lab_table_measured_from_the_run_predicted_from_cost():
             cost.messages_per_rank(run.name, 2, 2, v).values())
         assert row["peak_in_flight"] == row["peak_in_flight_predicted"]
         assert run.peak_in_flight == run.prediction.peak_in_flight
+        # one unit in the table, a whole stage's microbatch: an interleaved chunk's counts 1/v
+        assert row["peak_in_flight"] == max(run.peak_in_flight.values()) / v
+        assert row["peak_in_flight_per_rank"] == {r: k / v for r, k in
+                                                  run.peak_in_flight.items()}
         assert makespan(run.simulated) == pytest.approx(run.prediction.step)
-    assert "interleaved v=2" in lab.format_lab_table(runs)
+    text = lab.format_lab_table(runs)
+    assert "interleaved v=2" in text and "peak, stage-mb" in text
 
 
 def _fake_runs():

@@ -30,7 +30,7 @@ register(Choice(
     options={
         "A": "more data-parallel copies, so that each one processes less of the batch",
         "B": "split the model (t in a node, then p) or shard its states (ZeRO-3)",
-        "C": "a smaller batch per device, with gradient accumulation to keep the step's",
+        "C": "a smaller batch per device, with gradient accumulation to keep the step's batch",
         "D": "more microbatches per step, so that each holds fewer activations",
     },
     prompt="""
