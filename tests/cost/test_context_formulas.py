@@ -79,9 +79,9 @@ def test_causal_work_contiguous_is_unbalanced_zigzag_is_not():
 
 
 def test_causal_scores_counted_one_by_one():
-    """The context-parallel chapter said the contiguous split's last rank does c times the first's work: in
-    blocks, yes; in the scores the mask leaves, a diagonal block is about half full and the
-    ratio is about 2c - 1. Both splits do the same scores in all, s(s+1)/2."""
+    """The context-parallel chapter said the contiguous split's last rank does c times the
+    first's work: in blocks, yes; in the scores the mask leaves, a diagonal block is about
+    half full and the ratio is about 2c - 1. Both splits do the same scores in all, s(s+1)/2."""
     s = 32
     for cp in (1, 2, 4):
         for zigzag in (False, True):

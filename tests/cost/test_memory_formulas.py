@@ -31,8 +31,9 @@ def test_model_state_bytes_rejects_bad_stage():
 
 
 def test_shard_copy_and_the_formulas_chapter_02_prints():
-    """The sharded-data-parallel chapter's takeaway gave ZeRO-1/2 without the fp32 shard copy its ledger measures;
-    the formulas now come from here, with the copy (4P/N) for the fp32 Zero1 and Zero2."""
+    """The sharded-data-parallel chapter's takeaway gave ZeRO-1/2 without the fp32 shard copy
+    its ledger measures; the formulas now come from here, with the copy (4P/N) for the fp32
+    Zero1 and Zero2."""
     p, n = 1000, 4
     kinds = cost.model_state_bytes_by_kind(p, n, 1, shard_copy=True)
     assert kinds["shard copy"] == 4 * p / n
