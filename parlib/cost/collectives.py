@@ -11,10 +11,11 @@ Two refinements, each one formula here and used wherever a collective is timed:
   tree faster (:func:`nccl_algorithm`), so a collective over hundreds of ranks pays
   2 log2 N alphas, not 2(N-1). Reduce-scatter and all-gather stay rings: at 256 ranks, three
   of them a layer over 64 layers cost 0.49 s a step in latency alone at 10 us a step.
-- bandwidth by message size: nccl-tests curves reach half the link's bus bandwidth only at
-  tens of MB (:func:`size_efficiency`; the presets' half size is read off a measured curve,
-  :func:`parlib.cost.efficiency.half_bandwidth_bytes`), so a collective of a few MB is
-  charged at the share of the link its size reaches.
+- bandwidth by message size: past its latency a small collective still reaches only part of
+  the link's bus bandwidth (:func:`size_efficiency`; the presets' half size, about 1.8 MiB,
+  is fitted to a measured curve with the latency charged as here,
+  :func:`parlib.cost.efficiency.fitted_half_bandwidth_bytes`), so a collective of a few
+  hundred KB is charged at the share of the link its size reaches.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from parlib.cost.collectives import bus_bandwidth, collective_time, per_link_alpha_beta
-from parlib.cost.efficiency import achievable
+from parlib.cost.efficiency import INTRA_NODE_ALPHA, achievable
 
 GB = 10**9  # datasheets' GB (decimal)
 
@@ -87,10 +87,11 @@ class Hardware:
     every shape at ``achievable_flops``. ``intra_node_efficiency`` is the fraction of
     ``intra_node``'s (datasheet) bandwidth collectives reach inside a node (the presets:
     their generation's measured NVLink fraction); :meth:`link_for` returns the node's
-    link at that rate. ``collective_half_bytes`` (the presets: 20.8 MiB, from a measured
-    nccl-tests curve) charges each collective at the bus bandwidth of its message's size,
-    half the link's at that size (:func:`parlib.cost.collectives.size_efficiency`); 0
-    charges every size at the link's rate. ``overlap_slowdown`` (the presets: 0.189, a
+    link at that rate. ``collective_half_bytes`` (the presets: 1.8 MiB, fitted to a measured
+    all-reduce curve under this model's latency) charges each collective at the bus
+    bandwidth of its message's size, half the link's at that size
+    (:func:`parlib.cost.collectives.size_efficiency`); 0 charges every size at the link's
+    rate. ``overlap_slowdown`` (the presets: 0.189, a
     published measurement) is how much longer compute takes while a collective runs beside
     it: every second of communication hidden behind compute costs that much compute time.
     """
@@ -235,7 +236,7 @@ class Hardware:
             memory_bytes=80 * GB,  # NVIDIA A100 Tensor Core GPU datasheet: 80 GB HBM2e
             peak_flops=312e12,  # A100 datasheet: BF16 Tensor Core 312 TFLOPS (dense)
             # A100 datasheet: NVLink 600 GB/s per GPU, both directions together: 300 one way.
-            intra_node=Link(alpha=5e-6, bandwidth=300 * GB),
+            intra_node=Link(alpha=INTRA_NODE_ALPHA, bandwidth=300 * GB),
             # DGX A100 datasheet: 8x ConnectX-6 200 Gb/s HDR InfiniBand for compute: 25 GB/s.
             inter_node=Link(alpha=10e-6, bandwidth=25 * GB),
             name="DGX A100 80GB",
@@ -275,7 +276,7 @@ class Hardware:
             # H100 datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS "with sparsity"; dense is half.
             peak_flops=989.5e12,
             # H100 datasheet (SXM): NVLink 900 GB/s, both directions together: 450 one way.
-            intra_node=Link(alpha=5e-6, bandwidth=450 * GB),
+            intra_node=Link(alpha=INTRA_NODE_ALPHA, bandwidth=450 * GB),
             # DGX H100 datasheet: 8x ConnectX-7 400 Gb/s InfiniBand/Ethernet: 50 GB/s per GPU.
             inter_node=Link(alpha=10e-6, bandwidth=50 * GB),
             name="DGX H100",
@@ -294,7 +295,7 @@ class Hardware:
             # H200 datasheet (SXM): BF16 Tensor Core 1,979 TFLOPS "with sparsity"; dense is half.
             peak_flops=989.5e12,
             # H200 datasheet (SXM): NVLink 900 GB/s, both directions together: 450 one way.
-            intra_node=Link(alpha=5e-6, bandwidth=450 * GB),
+            intra_node=Link(alpha=INTRA_NODE_ALPHA, bandwidth=450 * GB),
             # DGX H200 datasheet: 8x ConnectX-7 400 Gb/s: 50 GB/s per GPU.
             inter_node=Link(alpha=10e-6, bandwidth=50 * GB),
             name="DGX H200",

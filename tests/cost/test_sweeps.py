@@ -32,8 +32,9 @@ from parlib.cost.sweeps import (
 
 # Today's figures (see the docstring): regression guards, not the targets. Charging each
 # collective at its message size's bandwidth (collectives.size_efficiency) moved them from
-# 0.55 and -0.14 to 0.49 and -0.07: the 17-layout guard went down to 0.45 with it, the
-# 7-layout one up to -0.1.
+# 0.55 and -0.14 to 0.49 and -0.07 (0.53 and -0.04 once its half size was fitted under the
+# model's own latency): the 17-layout guard went down to 0.45 with it, the 7-layout one up to
+# -0.1.
 CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.45,
                         "BigScience 181B, 384 A100: PP x MBS at TP 8": -0.1}
 PICK_AT_LEAST = 0.9
@@ -141,6 +142,6 @@ def test_the_unexplained_microbatch_saving_is_not_a_fixed_cost_per_call():
         return 1000 * (measured - predicted) / fewer
 
     for one, two, four in ((0, 1, 2), (4, 5, 6)):  # PP 12 and PP 6, MBS 1, 2, 4
-        assert 3.0 < excess_ms(one, two) < 4.0
-        assert 12.5 < excess_ms(two, four) < 15.0
-    assert abs(excess_ms(2, 3)) < 1.5  # PP 12, MBS 4 -> 8
+        assert 3.8 < excess_ms(one, two) < 5.0
+        assert 13.0 < excess_ms(two, four) < 16.0
+    assert abs(excess_ms(2, 3)) < 2.5  # PP 12, MBS 4 -> 8
