@@ -110,6 +110,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from parlib.cost.collectives import collective_time, message_time, predicted_sent_bytes
 from parlib.cost.context import LSE_BYTES, kv_block_bytes, ring_attention_sent_bytes_per_layer
@@ -368,6 +369,65 @@ def check_inputs(model: Model, hardware: Hardware) -> None:
                          f"parlib.cost.Hardware describes the machines a layout runs on)")
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What every part of one step's estimate reads: the inputs, the shapes one device works
+    on (``b`` sequences a microbatch, ``s_local`` positions of each), the layers each
+    pipeline rank holds, and the links each axis' groups run on."""
+
+    model: Model
+    hardware: Hardware
+    layout: Layout
+    m: int
+    v: int
+    global_batch: int
+    zero: int
+    recompute: bool | str
+    sequence_parallel: bool
+    mixed_precision: bool
+    b: int
+    s_local: int
+    act_bytes: int
+    per_stage: tuple[int, ...]
+    spans: dict[str, int]
+    links: dict[str, Any]
+    rings: dict[str, Any]
+
+    @property
+    def full(self) -> bool:
+        return self.recompute is True
+
+    @property
+    def slowest(self) -> int:
+        return max(self.per_stage)
+
+    @property
+    def passes(self) -> tuple[str, ...]:
+        """The passes over each layer a microbatch makes: full recomputation a second
+        forward."""
+        return ("forward", "backward") + (("forward",) if self.full else ())
+
+    @property
+    def split_sequence(self) -> bool:
+        return self.sequence_parallel and self.layout.tp > 1
+
+
+def _step(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
+          global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
+          mixed_precision: bool) -> _Step:
+    d, t, c = layout.dp, layout.tp, layout.cp
+    spans = _spans(layout)
+    # ring collectives (TP's all-reduces, the gradient sync over d x c) share a node's NICs
+    sync_span = spans["dp"] if d > 1 else spans["cp"]
+    return _Step(model, hardware, layout, m, v, global_batch, zero, recompute,
+                 sequence_parallel, mixed_precision, b=global_batch // (d * m),
+                 s_local=model.seq_len // c, act_bytes=2 if mixed_precision else 4,
+                 per_stage=_stage_layers(model.n_layers, layout.pp, v), spans=spans,
+                 links={k: hardware.link_for(span) for k, span in spans.items()},
+                 rings={"tp": hardware.ring_link(spans["tp"], t),
+                        "sync": hardware.ring_link(sync_span, d * c)})
+
+
 def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
               mixed_precision: bool, dp_overlap: bool = True,
@@ -375,267 +435,352 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               extra_recompute_flops_per_token: float = 0.0,
               grad_reduce_bytes: int | None = None) -> Estimate | None:
     """The estimate, inputs already checked (the planner calls this directly, with
-    ``only_if_fits``: None, before any time is worked out, when the memory does not fit)."""
-    s, h, L = model.seq_len, model.d_model, model.n_layers
-    d, t, p, c = layout.dp, layout.tp, layout.pp, layout.cp
-    n = hardware.n_devices
-    b = global_batch // (d * m)
-    s_local = s // c  # positions per context-parallel rank
-    act_bytes = 2 if mixed_precision else 4
-    full = recompute is True
-    e = layout.ep
-    spans = _spans(layout)
-    links = {k: hardware.link_for(span) for k, span in spans.items()}
-    # ring collectives (TP's all-reduces, the gradient sync over d x c) share a node's NICs
-    sync_span = spans["dp"] if d > 1 else spans["cp"]
-    rings = {"tp": hardware.ring_link(spans["tp"], t),
-             "sync": hardware.ring_link(sync_span, d * c)}
-    # a layer's weights: the dense part (attention, norms, router) on every ep rank; the
-    # experts split e ways, their copies d x c / e
-    dense_layer = model.layer_params - model.layer_expert_params
-    expert_layer = model.layer_expert_params / e
-
-    # ---- memory of the first, the last and the fullest middle stages; keep the largest
-    per_stage = _stage_layers(L, p, v)
-    slowest = max(per_stage)
-    tied_copy = model.vocab_size * h if model.tied_embeddings and p > 1 else 0
-    # the embedding and output layer's parameters: split t ways, or whole on every tp rank
-    ends = t if replicated_head else 1
-    if p == 1:
-        stages = {"only": (L, L, L * dense_layer + ends * (model.embedding_params
-                                                           + model.head_params))}
-    else:
-        # (layers, layers' worth of activations held, parameters); the first stage holds the
-        # most microbatches in flight, stage i of 1F1B min(m, p - i), the last one
-        first = per_stage[0]
-        stages = {"first": (first, in_flight_microbatches(p, m, v) * first / v,
-                            first * dense_layer + ends * model.embedding_params),
-                  "last": (per_stage[-1], per_stage[-1],
-                           per_stage[-1] * dense_layer
-                           + ends * (model.head_params + tied_copy))}
-        if L % (p * v):  # uneven: a middle stage may hold more layers than the first
-            fullest = next((i for i in range(1, p - 1) if per_stage[i] == slowest), None)
-            for i in {1, fullest} - {None}:
-                if i < p - 1:
-                    # rank i of 1F1B holds min(m, p - i) microbatches; interleaved, Megatron's
-                    # warm-up leaves it min(v m, 2 (p - i - 1) + (v - 1) p + 1) chunks
-                    held = (min(m, p - i) if v == 1 else
-                            min(v * m, 2 * (p - i - 1) + (v - 1) * p + 1) / v)
-                    stages[f"stage {i + 1} of {p}"] = (
-                        per_stage[i], held * per_stage[i], per_stage[i] * dense_layer)
-    mode = {False: "none", "selective": "selective", True: "full"}[recompute]
-    if c > 1 and mode == "none":
-        mode = "selective"  # blockwise attention stores no scores
-    per_layer = activation_bytes_per_layer(
-        s_local, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
-        recompute=mode, dtype_bytes=act_bytes, dropout=model.dropout,
-        ffn_dim=model.activation_ffn_dim, kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
-    if c > 1 and not full:
-        per_layer += model.n_heads / t * s_local * b * LSE_BYTES
-    working = 0.0
-    if full:  # the layer being recomputed holds its whole activations during its backward
-        working = activation_bytes_per_layer(
-            s_local, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
-            dtype_bytes=act_bytes, dropout=model.dropout, ffn_dim=model.activation_ffn_dim,
-            kv_dim=model.kv_dim, gated_mlp=model.gated_mlp, **(
-                {"recompute": "selective"} if c > 1 else {}))
-    logits = logits_bytes(s_local, b, model.vocab_size, t=t, dtype_bytes=act_bytes)
-    candidates = []
-    for stage, (layers, held, params) in stages.items():
-        states = model_state_bytes_by_kind(params / t, d * c, zero, mixed_precision)
-        if expert_layer:
-            experts = model_state_bytes_by_kind(layers * expert_layer / t, d * c // e, zero,
-                                                mixed_precision)
-            states = {k: states[k] + experts[k] for k in states}
-        states["activations"] = layers * per_layer + working + (
-            logits if stage in ("only", "last") else 0.0)
-        states["pipeline_in_flight"] = (held - layers) * per_layer
-        candidates.append((sum(states.values()), stage, (params / t, layers * expert_layer / t),
-                           {k: states[k] for k in MEMORY_PARTS}))
-    total, stage, (params_per_device, experts_per_device), memory = max(candidates,
-                                                                         key=lambda c: c[0])
+    ``only_if_fits``: None, before any time is worked out, when the memory does not fit).
+    One helper per part, in the order of a step: memory, compute, memory-bound work and
+    the optimizer step, then each axis' communication (tp, cp, ep, pp, dp)."""
+    step = _step(model, hardware, layout, m, v, global_batch, zero, recompute,
+                 sequence_parallel, mixed_precision)
+    total, stage, params_per_device, experts_per_device, memory = _memory(step,
+                                                                          replicated_head)
     if only_if_fits and total > hardware.memory_bytes:
         return None
-
-    # ---- FLOPs and compute time
-    tokens = global_batch * s
-    model_flops = model.flops_per_token * tokens
-    extra = {False: 0, "selective": model.attention_flops_per_token,
-             True: model.layers_forward_flops_per_token}[recompute]
-    hardware_flops = model_flops + (extra + extra_recompute_flops_per_token) * tokens
-    capacity = model.capacity_factor if model.is_moe and model.capacity_factor else 1.0
-    if capacity != 1.0:  # experts compute their padded buffers (or skip the dropped tokens)
-        expert_forward = L * 2 * model.top_k * model.expert_matmul_params * tokens
-        hardware_flops += (capacity - 1) * expert_forward * (
-            1 + BACKWARD_PER_FORWARD + (1 if full else 0))
-    # the layers' FLOPs wait for the slowest stage; the output layer's stay spread evenly
-    head_flops = (1 + BACKWARD_PER_FORWARD) * 2 * model.vocab_size * h * tokens
-    imbalance = slowest * p / L
-    layer_rate, head_rate = _matmul_rates(model, b * s_local, t, c, e,
-                                          hardware.multiprocessors)
-    stage_compute: list[float] = []  # per stage, where the stages differ (replicated_head)
-    if replicated_head:  # the last stage's t ranks each compute the whole output layer
-        head_rate = _matmul_rates(model, b * s_local, 1, c, e, hardware.multiprocessors)[1]
-        layers_flops = (hardware_flops - head_flops) / L / (n / p)  # per layer, per device
-        stage_compute = [(layers * layers_flops / layer_rate
-                          + (head_flops * t * p / n / head_rate if i == p - 1 else 0.0))
-                         / hardware.achievable_flops for i, layers in enumerate(per_stage)]
-        compute = max(stage_compute)
-    else:
-        compute = ((hardware_flops - head_flops) * imbalance / layer_rate
-                   + head_flops / head_rate) / n / hardware.achievable_flops
-
-    # ---- memory-bound operations: bytes over memory bandwidth, every layer, every microbatch
-    moved = memory_bound_bytes_per_layer(
-        s_local, b, h, model.n_heads, t=t, sequence_parallel=sequence_parallel and t > 1,
-        dtype_bytes=act_bytes, ffn_dim=model.activation_ffn_dim, gated_mlp=model.gated_mlp,
-        dropout=model.dropout, scores_stored=c == 1 and recompute != "selective")
-    forwards = 1 + (1 if full else 0)
-    # the loss over the logits, spread evenly as the output layer's FLOPs are
-    loss = tokens * loss_bytes_per_token(model.vocab_size, dtype_bytes=act_bytes) / n
-    memory_bound = ((m * slowest * moved * (forwards + MEMORY_BOUND_BACKWARD_PER_FORWARD)
-                     + loss) / hardware.achievable_memory_bandwidth)
-    # once a step, after the sync: Adam's pass over the state this rank updates (its
-    # optimizer shard); outside every microbatch, so no bubble scales it
-    updated = memory["optimizer"] / model_state_bytes_per_param(mixed_precision)["optimizer"]
-    optimizer_step = (updated * optimizer_step_bytes_per_param(mixed_precision)
-                      / hardware.achievable_memory_bandwidth)
-
-    # ---- tensor parallelism: all-reduces of (b, s, h) per layer, every microbatch
-    passes = ("forward", "backward") + (("forward",) if full else ())
-    tp_comm = tp_bytes = 0.0
-    if t > 1:
-        per_layer_count = sum(ALL_REDUCES_PER_LAYER[x] for x in passes)
-        one_all_reduce = collective_time("all_reduce",
-                                         tp_message_bytes(b, s_local, h, act_bytes),
-                                         t, rings["tp"].alpha, rings["tp"].beta,
-                                         half_bytes=hardware.collective_half_bytes,
-                                         algorithm="nccl")
-        tp_comm = m * slowest * per_layer_count * one_all_reduce
-        tp_bytes = m * slowest * tp_sent_bytes_per_layer(b, s_local, h, t, act_bytes, passes)
-
-    # ---- context parallelism: ring attention's K/V blocks, each step's transfer behind
-    # that step's block of attention compute (1/c of the layer's attention on this rank)
-    cp_total = cp_hidden = cp_bytes = 0.0
-    if c > 1:
-        kv_per_rank = model.kv_dim / t  # tensor parallelism splits the K/V heads too
-        block = kv_block_bytes(b, s, kv_per_rank, c, act_bytes)
-        rate = hardware.achievable_flops
-        attn_step = model.layer_attention_flops_per_token * b * s_local / t / c / rate
-        link = links["cp"]
-        fwd = message_time(block, link.alpha, link.beta)  # one K/V block per step
-        bwd = message_time(2 * block, link.alpha, link.beta)  # the block and its gradient
-        n_fwd = passes.count("forward")
-        per_layer_total = (c - 1) * (n_fwd * fwd + bwd)
-        per_layer_hidden = (c - 1) * (n_fwd * min(fwd, attn_step)
-                                      + min(bwd, BACKWARD_PER_FORWARD * attn_step))
-        cp_total = m * slowest * per_layer_total
-        cp_hidden = m * slowest * per_layer_hidden
-        cp_bytes = m * slowest * ring_attention_sent_bytes_per_layer(
-            b, s, kv_per_rank, c, act_bytes, passes)
-    cp_comm = cp_total - cp_hidden
-
-    # ---- pipeline: bubble and boundary sends
-    # ---- expert parallelism: per MoE layer per microbatch a dispatch and a combine
-    # all-to-all in forward, their gradients in backward, on the critical path
-    ep_comm = ep_bytes = 0.0
-    if e > 1:
-        tokens_here = b * s_local / t  # tensor-parallel ranks dispatch their share each
-        passes_ep = ("forward", "backward") + (("forward",) if full else ())
-        per_layer_bytes = capacity * ep_all_to_all_bytes_per_layer(
-            tokens_here, h, model.top_k, act_bytes, passes_ep)
-        count = 2 * len(passes_ep)  # dispatch and combine, each pass
-        one = collective_time("all_to_all", per_layer_bytes / count, e, links["ep"].alpha,
-                              links["ep"].beta, half_bytes=hardware.collective_half_bytes)
-        ep_comm = m * slowest * count * one
-        ep_bytes = m * slowest * per_layer_bytes * (e - 1) / e  # the share that leaves
-    busy = compute + memory_bound + tp_comm + cp_comm + ep_comm
-    pp_bubble = pp_send = pp_bytes = 0.0
-    if p > 1:
-        f = bubble_fraction(p, m, v)
-        pp_bubble = busy * f / (1 - f)
-        if stage_compute:  # the fill and drain pass through the other, lighter stages
-            others = sorted(stage_compute)[:-1]
-            pp_bubble = (busy - compute + sum(others) / len(others)) * f / (1 - f)
-        boundary = boundary_bytes(b, s_local, h, act_bytes) / t
-        slots = v * m + p - 1
-        pp_send = 2 * slots * message_time(boundary, links["pp"].alpha, links["pp"].beta)
-        pp_bytes = 2 * v * m * boundary
-
-    # ---- data parallelism: gradient sync over d x c (cp ranks hold the same weights),
-    # partly hidden behind backward
-    # (the experts' gradients sync over their d x c / e copies)
-    dp_total = dp_bytes = 0.0
-    forward_gathers = 0.0  # ZeRO-3: the part of dp_total sent during forwards
-    exposed_floor = 0.0  # ZeRO-3: the collectives no compute can hide (one unit's each)
-    sync = d * c
-    link = rings["sync"]
-    half = hardware.collective_half_bytes
-    for group, weights, unit_weights in (
-            (sync, params_per_device, dense_layer / t),
-            (sync // e, experts_per_device, expert_layer / t)):
-        if group == 1 or not weights:
-            continue
-        root = max(0.0, weights - slowest * unit_weights)  # embedding, output layer
-        per = model_state_bytes_by_kind(weights, 1, 0, mixed_precision)
-        grad_bytes = per["grads"] / weights if grad_reduce_bytes is None else grad_reduce_bytes
-        param_bytes = per["params"] / weights
-        ops = sync_collectives(slowest, unit_weights, root, group, zero, m, grad_bytes,
-                               param_bytes)
-        seconds = [k * collective_time(op, nbytes, group, link.alpha, link.beta,
-                                       half_bytes=half, algorithm="nccl")
-                   for k, op, nbytes in ops]
-        if zero == 3:  # ops: the forwards' gathers, the backwards' gathers, the scatters
-            forward_gathers += seconds[0] + seconds[1]
-            exposed_floor += sum(collective_time(op, unit_weights * b, group, link.alpha,
-                                                 link.beta, half_bytes=half)
-                                 for op, b in (("all_gather", param_bytes),
-                                               ("all_gather", param_bytes),
-                                               ("reduce_scatter", grad_bytes))) * m
-        dp_total += sum(seconds)
-        dp_bytes += sum(k * predicted_sent_bytes(op, nbytes, group) for k, op, nbytes in ops)
-    backward_share = busy * (model_flops / hardware_flops) * (2 / 3)  # all microbatches'
-    if zero == 3:
-        # by phase: the forwards' gathers behind forward compute (1/3 of the model FLOPs),
-        # the backwards' gathers and reduce-scatters behind the rest, recomputation included;
-        # the first gather of each forward and of each backward and the last reduce-scatter
-        # wait for nothing to hide behind
-        forward = busy * model_flops / (1 + BACKWARD_PER_FORWARD) / hardware_flops
-        dp_hidden = (min(forward_gathers, forward)
-                     + min(dp_total - forward_gathers, busy - forward))
-        dp_hidden = max(0.0, min(dp_hidden, dp_total - exposed_floor))
-    elif zero == 2:
-        # every microbatch's gradients are reduce-scattered during its own backward
-        dp_hidden = min(dp_total, backward_share)
-    else:
-        # Gradients of the last microbatch appear during its backward: 2/3 of its model
-        # FLOPs (recomputed forwards produce no gradients, so they widen no window).
-        dp_hidden = min(dp_total, backward_share / m)
+    model_flops, hardware_flops = _flops(step, extra_recompute_flops_per_token)
+    compute, stage_compute = _compute(step, hardware_flops, replicated_head)
+    memory_bound = _memory_bound(step)
+    optimizer_step = _optimizer_step(step, memory)
+    tp_comm, tp_bytes = _tensor_parallel(step)
+    cp_total, cp_hidden, cp_bytes = _context_parallel(step)
+    ep_comm, ep_bytes = _expert_parallel(step)
+    busy = compute + memory_bound + tp_comm + (cp_total - cp_hidden) + ep_comm
+    pp_bubble, pp_send, pp_bytes = _pipeline(step, busy, compute, stage_compute)
+    dp_total, dp_hidden, dp_bytes = _data_parallel(
+        step, busy, (model_flops, hardware_flops), params_per_device, experts_per_device,
+        grad_reduce_bytes)
     if not dp_overlap:
         dp_hidden = 0.0
     # the compute that runs beside a hidden collective runs slower: the hidden seconds cost
     # overlap_slowdown of themselves again (charged with the part they hide in)
     dp_slowdown = hardware.overlap_slowdown * dp_hidden
     cp_slowdown = hardware.overlap_slowdown * cp_hidden
-
     time = {"compute": compute, "memory_bound": memory_bound, "tp_comm": tp_comm,
-            "cp_comm": cp_comm + cp_slowdown, "ep_comm": ep_comm,
+            "cp_comm": cp_total - cp_hidden + cp_slowdown, "ep_comm": ep_comm,
             "cp_comm_total": cp_total, "cp_comm_hidden": cp_hidden,
             "cp_overlap_cost": cp_slowdown, "pp_bubble": pp_bubble,
             "pp_send": pp_send, "dp_sync": dp_total - dp_hidden + dp_slowdown,
             "dp_sync_total": dp_total, "dp_sync_hidden": dp_hidden,
             "dp_overlap_cost": dp_slowdown, "optimizer": optimizer_step}
+    sync_span = step.spans["dp"] if layout.dp > 1 else step.spans["cp"]
     return Estimate(model=model, hardware=hardware, layout=layout, m=m, v=v,
-                   global_batch=global_batch, zero=zero, recompute=recompute, micro_batch=b,
-                   memory=memory, time=time,
-                   bytes_sent={"pp": pp_bytes, "dp": dp_bytes, "cp": cp_bytes, "tp": tp_bytes,
-                               **({"ep": ep_bytes} if e > 1 else {})},
-                   links=_links(hardware, layout, spans),
-                   stage=stage,
-                   model_flops=model_flops, hardware_flops=hardware_flops,
-                   stage_layers=list(per_stage),
-                   crossing={"tp": hardware.ring_crossing_share(spans["tp"], t),
-                             "dp": hardware.ring_crossing_share(sync_span, d * c)})
+                    global_batch=global_batch, zero=zero, recompute=recompute,
+                    micro_batch=step.b, memory=memory, time=time,
+                    bytes_sent={"pp": pp_bytes, "dp": dp_bytes, "cp": cp_bytes, "tp": tp_bytes,
+                                **({"ep": ep_bytes} if layout.ep > 1 else {})},
+                    links=_links(hardware, layout, step.spans), stage=stage,
+                    model_flops=model_flops, hardware_flops=hardware_flops,
+                    stage_layers=list(step.per_stage),
+                    crossing={"tp": hardware.ring_crossing_share(step.spans["tp"], layout.tp),
+                              "dp": hardware.ring_crossing_share(sync_span,
+                                                                 layout.dp * layout.cp)})
+
+
+# ---- memory: of the first, the last and the fullest middle stages; the largest counts
+
+def _layer_weights(step: _Step) -> tuple[float, float]:
+    """A layer's weights on one ep rank: the dense part (attention, norms, router) whole,
+    the experts split e ways (their copies d x c / e)."""
+    model = step.model
+    return (model.layer_params - model.layer_expert_params,
+            model.layer_expert_params / step.layout.ep)
+
+
+def _stages(step: _Step, replicated_head: bool) -> dict[str, tuple[float, float, float]]:
+    """Per stage worth checking: (layers, layers' worth of activations held, parameters)."""
+    model, t, p, v, m = step.model, step.layout.tp, step.layout.pp, step.v, step.m
+    L, per_stage, slowest = model.n_layers, step.per_stage, step.slowest
+    dense_layer = _layer_weights(step)[0]
+    tied_copy = model.vocab_size * model.d_model if model.tied_embeddings and p > 1 else 0
+    # the embedding and output layer's parameters: split t ways, or whole on every tp rank
+    ends = t if replicated_head else 1
+    if p == 1:
+        return {"only": (L, L, L * dense_layer + ends * (model.embedding_params
+                                                         + model.head_params))}
+    # the first stage holds the most microbatches in flight, stage i of 1F1B min(m, p - i)
+    first = per_stage[0]
+    stages = {"first": (first, in_flight_microbatches(p, m, v) * first / v,
+                        first * dense_layer + ends * model.embedding_params),
+              "last": (per_stage[-1], per_stage[-1],
+                       per_stage[-1] * dense_layer + ends * (model.head_params + tied_copy))}
+    if L % (p * v):  # uneven: a middle stage may hold more layers than the first
+        fullest = next((i for i in range(1, p - 1) if per_stage[i] == slowest), None)
+        for i in {1, fullest} - {None}:
+            if i < p - 1:
+                # rank i of 1F1B holds min(m, p - i) microbatches; interleaved, Megatron's
+                # warm-up leaves it min(v m, 2 (p - i - 1) + (v - 1) p + 1) chunks
+                held = (min(m, p - i) if v == 1 else
+                        min(v * m, 2 * (p - i - 1) + (v - 1) * p + 1) / v)
+                stages[f"stage {i + 1} of {p}"] = (
+                    per_stage[i], held * per_stage[i], per_stage[i] * dense_layer)
+    return stages
+
+
+def _activations(step: _Step) -> tuple[float, float, float]:
+    """Bytes of one layer's stored activations, of the layer being recomputed (full
+    recomputation) and of the logits, for one microbatch on one device."""
+    model, t, c = step.model, step.layout.tp, step.layout.cp
+    mode = {False: "none", "selective": "selective", True: "full"}[step.recompute]
+    if c > 1 and mode == "none":
+        mode = "selective"  # blockwise attention stores no scores
+    shape = dict(t=t, sequence_parallel=step.split_sequence, dtype_bytes=step.act_bytes,
+                 dropout=model.dropout, ffn_dim=model.activation_ffn_dim,
+                 kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
+    args = (step.s_local, step.b, model.d_model, model.n_heads)
+    per_layer = activation_bytes_per_layer(*args, recompute=mode, **shape)
+    if c > 1 and not step.full:
+        per_layer += model.n_heads / t * step.s_local * step.b * LSE_BYTES
+    working = 0.0
+    if step.full:  # the layer being recomputed holds its whole activations during backward
+        working = activation_bytes_per_layer(
+            *args, **shape, **({"recompute": "selective"} if c > 1 else {}))
+    logits = logits_bytes(step.s_local, step.b, model.vocab_size, t=t,
+                          dtype_bytes=step.act_bytes)
+    return per_layer, working, logits
+
+
+def _memory(step: _Step, replicated_head: bool
+            ) -> tuple[float, str, float, float, dict[str, float]]:
+    """(total bytes, stage, its parameters and expert parameters per device, its memory by
+    part) of the stage that needs the most memory."""
+    d, t, c, e = step.layout.dp, step.layout.tp, step.layout.cp, step.layout.ep
+    expert_layer = _layer_weights(step)[1]
+    per_layer, working, logits = _activations(step)
+    candidates = []
+    for stage, (layers, held, params) in _stages(step, replicated_head).items():
+        states = model_state_bytes_by_kind(params / t, d * c, step.zero, step.mixed_precision)
+        if expert_layer:
+            experts = model_state_bytes_by_kind(layers * expert_layer / t, d * c // e,
+                                                step.zero, step.mixed_precision)
+            states = {k: states[k] + experts[k] for k in states}
+        states["activations"] = layers * per_layer + working + (
+            logits if stage in ("only", "last") else 0.0)
+        states["pipeline_in_flight"] = (held - layers) * per_layer
+        candidates.append((sum(states.values()), stage, params / t,
+                           layers * expert_layer / t, {k: states[k] for k in MEMORY_PARTS}))
+    return max(candidates, key=lambda row: row[0])
+
+
+# ---- compute, memory-bound work and the optimizer step
+
+def _flops(step: _Step, extra_recompute_flops_per_token: float) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of a step: the latter with recomputation and the
+    experts' padded buffers."""
+    model, tokens = step.model, step.global_batch * step.model.seq_len
+    model_flops = model.flops_per_token * tokens
+    extra = {False: 0, "selective": model.attention_flops_per_token,
+             True: model.layers_forward_flops_per_token}[step.recompute]
+    hardware_flops = model_flops + (extra + extra_recompute_flops_per_token) * tokens
+    capacity = model.capacity_factor if model.is_moe and model.capacity_factor else 1.0
+    if capacity != 1.0:  # experts compute their padded buffers (or skip the dropped tokens)
+        expert_forward = model.n_layers * 2 * model.top_k * model.expert_matmul_params * tokens
+        hardware_flops += (capacity - 1) * expert_forward * (
+            1 + BACKWARD_PER_FORWARD + (1 if step.full else 0))
+    return model_flops, hardware_flops
+
+
+def _compute(step: _Step, hardware_flops: float, replicated_head: bool
+             ) -> tuple[float, list[float]]:
+    """Seconds of compute of the busiest device, and per stage where the stages differ
+    (``replicated_head``)."""
+    model, hardware, layout = step.model, step.hardware, step.layout
+    n, t, c, e, p, L = (hardware.n_devices, layout.tp, layout.cp, layout.ep, layout.pp,
+                        model.n_layers)
+    tokens = step.global_batch * model.seq_len
+    # the layers' FLOPs wait for the slowest stage; the output layer's stay spread evenly
+    head_flops = (1 + BACKWARD_PER_FORWARD) * 2 * model.vocab_size * model.d_model * tokens
+    rows = step.b * step.s_local
+    layer_rate, head_rate = _matmul_rates(model, rows, t, c, e, hardware.multiprocessors)
+    if not replicated_head:
+        imbalance = step.slowest * p / L
+        return ((hardware_flops - head_flops) * imbalance / layer_rate
+                + head_flops / head_rate) / n / hardware.achievable_flops, []
+    # the last stage's t ranks each compute the whole output layer
+    head_rate = _matmul_rates(model, rows, 1, c, e, hardware.multiprocessors)[1]
+    layers_flops = (hardware_flops - head_flops) / L / (n / p)  # per layer, per device
+    stage_compute = [(layers * layers_flops / layer_rate
+                      + (head_flops * t * p / n / head_rate if i == p - 1 else 0.0))
+                     / hardware.achievable_flops for i, layers in enumerate(step.per_stage)]
+    return max(stage_compute), stage_compute
+
+
+def _memory_bound(step: _Step) -> float:
+    """Seconds of memory-bound work: bytes over memory bandwidth, every layer, every
+    microbatch, and the loss over the logits (spread evenly as the output layer's FLOPs)."""
+    model = step.model
+    moved = memory_bound_bytes_per_layer(
+        step.s_local, step.b, model.d_model, model.n_heads, t=step.layout.tp,
+        sequence_parallel=step.split_sequence, dtype_bytes=step.act_bytes,
+        ffn_dim=model.activation_ffn_dim, gated_mlp=model.gated_mlp, dropout=model.dropout,
+        scores_stored=step.layout.cp == 1 and step.recompute != "selective")
+    forwards = 1 + (1 if step.full else 0)
+    tokens = step.global_batch * model.seq_len
+    loss = (tokens * loss_bytes_per_token(model.vocab_size, dtype_bytes=step.act_bytes)
+            / step.hardware.n_devices)
+    return ((step.m * step.slowest * moved * (forwards + MEMORY_BOUND_BACKWARD_PER_FORWARD)
+             + loss) / step.hardware.achievable_memory_bandwidth)
+
+
+def _optimizer_step(step: _Step, memory: dict[str, float]) -> float:
+    """Seconds of Adam's pass over the state this rank updates (its optimizer shard), once a
+    step after the sync: outside every microbatch, so no bubble scales it."""
+    per_param = model_state_bytes_per_param(step.mixed_precision)["optimizer"]
+    updated = memory["optimizer"] / per_param
+    return (updated * optimizer_step_bytes_per_param(step.mixed_precision)
+            / step.hardware.achievable_memory_bandwidth)
+
+
+# ---- communication, one helper per axis: seconds (and hidden seconds) and bytes sent
+
+def _tensor_parallel(step: _Step) -> tuple[float, float]:
+    """All-reduces of (b, s, h) per layer, every microbatch, on the critical path."""
+    t = step.layout.tp
+    if t == 1:
+        return 0.0, 0.0
+    h, ring = step.model.d_model, step.rings["tp"]
+    per_layer_count = sum(ALL_REDUCES_PER_LAYER[x] for x in step.passes)
+    one_all_reduce = collective_time("all_reduce",
+                                     tp_message_bytes(step.b, step.s_local, h, step.act_bytes),
+                                     t, ring.alpha, ring.beta,
+                                     half_bytes=step.hardware.collective_half_bytes,
+                                     algorithm="nccl")
+    layers = step.m * step.slowest
+    return (layers * per_layer_count * one_all_reduce,
+            layers * tp_sent_bytes_per_layer(step.b, step.s_local, h, t, step.act_bytes,
+                                             step.passes))
+
+
+def _context_parallel(step: _Step) -> tuple[float, float, float]:
+    """Ring attention's K/V blocks: (seconds, of them hidden, bytes); each step's transfer
+    behind that step's block of attention compute (1/c of the layer's attention)."""
+    model, t, c = step.model, step.layout.tp, step.layout.cp
+    if c == 1:
+        return 0.0, 0.0, 0.0
+    kv_per_rank = model.kv_dim / t  # tensor parallelism splits the K/V heads too
+    block = kv_block_bytes(step.b, model.seq_len, kv_per_rank, c, step.act_bytes)
+    attn_step = (model.layer_attention_flops_per_token * step.b * step.s_local / t / c
+                 / step.hardware.achievable_flops)
+    link = step.links["cp"]
+    fwd = message_time(block, link.alpha, link.beta)  # one K/V block per step
+    bwd = message_time(2 * block, link.alpha, link.beta)  # the block and its gradient
+    n_fwd = step.passes.count("forward")
+    layers = step.m * step.slowest
+    total = layers * ((c - 1) * (n_fwd * fwd + bwd))
+    hidden = layers * ((c - 1) * (n_fwd * min(fwd, attn_step)
+                                  + min(bwd, BACKWARD_PER_FORWARD * attn_step)))
+    sent = layers * ring_attention_sent_bytes_per_layer(
+        step.b, model.seq_len, kv_per_rank, c, step.act_bytes, step.passes)
+    return total, hidden, sent
+
+
+def _expert_parallel(step: _Step) -> tuple[float, float]:
+    """Per MoE layer per microbatch a dispatch and a combine all-to-all in forward, their
+    gradients in backward, on the critical path."""
+    model, e = step.model, step.layout.ep
+    if e == 1:
+        return 0.0, 0.0
+    capacity = model.capacity_factor if model.is_moe and model.capacity_factor else 1.0
+    tokens_here = step.b * step.s_local / step.layout.tp  # tp ranks dispatch a share each
+    per_layer_bytes = capacity * ep_all_to_all_bytes_per_layer(
+        tokens_here, model.d_model, model.top_k, step.act_bytes, step.passes)
+    count = 2 * len(step.passes)  # dispatch and combine, each pass
+    link = step.links["ep"]
+    one = collective_time("all_to_all", per_layer_bytes / count, e, link.alpha, link.beta,
+                          half_bytes=step.hardware.collective_half_bytes)
+    layers = step.m * step.slowest
+    return layers * count * one, layers * per_layer_bytes * (e - 1) / e  # the share leaving
+
+
+def _pipeline(step: _Step, busy: float, compute: float, stage_compute: list[float]
+              ) -> tuple[float, float, float]:
+    """(bubble, boundary sends, bytes sent): the bubble a share of the busy time; the fill
+    and drain pass through the other, lighter stages where the stages differ."""
+    p, v, m = step.layout.pp, step.v, step.m
+    if p == 1:
+        return 0.0, 0.0, 0.0
+    f = bubble_fraction(p, m, v)
+    bubble = busy * f / (1 - f)
+    if stage_compute:
+        others = sorted(stage_compute)[:-1]
+        bubble = (busy - compute + sum(others) / len(others)) * f / (1 - f)
+    boundary = boundary_bytes(step.b, step.s_local, step.model.d_model,
+                              step.act_bytes) / step.layout.tp
+    link = step.links["pp"]
+    slots = v * m + p - 1
+    return (bubble, 2 * slots * message_time(boundary, link.alpha, link.beta),
+            2 * v * m * boundary)
+
+
+def _data_parallel(step: _Step, busy: float, flops: tuple[float, float],
+                   params_per_device: float, experts_per_device: float,
+                   grad_reduce_bytes: int | None) -> tuple[float, float, float]:
+    """The gradient sync over d x c (cp ranks hold the same weights; the experts' gradients
+    over their d x c / e copies): (seconds, of them hidden behind backward, bytes).
+    ``flops``: the step's (model, hardware) FLOPs, whose ratio is the share of ``busy``
+    that makes gradients."""
+    model_flops, hardware_flops = flops
+    ops_seconds, forward_gathers, exposed_floor, sent = _sync_collectives_timed(
+        step, params_per_device, experts_per_device, grad_reduce_bytes)
+    total = ops_seconds
+    backward_share = busy * (model_flops / hardware_flops) * (2 / 3)  # all microbatches'
+    if step.zero == 3:
+        # by phase: the forwards' gathers behind forward compute (1/3 of the model FLOPs),
+        # the backwards' gathers and reduce-scatters behind the rest, recomputation included;
+        # the first gather of each forward and of each backward and the last reduce-scatter
+        # wait for nothing to hide behind
+        forward = busy * model_flops / (1 + BACKWARD_PER_FORWARD) / hardware_flops
+        hidden = min(forward_gathers, forward) + min(total - forward_gathers, busy - forward)
+        hidden = max(0.0, min(hidden, total - exposed_floor))
+    elif step.zero == 2:
+        # every microbatch's gradients are reduce-scattered during its own backward
+        hidden = min(total, backward_share)
+    else:
+        # Gradients of the last microbatch appear during its backward: 2/3 of its model
+        # FLOPs (recomputed forwards produce no gradients, so they widen no window).
+        hidden = min(total, backward_share / step.m)
+    return total, hidden, sent
+
+
+def _sync_collectives_timed(step: _Step, params_per_device: float, experts_per_device: float,
+                            grad_reduce_bytes: int | None
+                            ) -> tuple[float, float, float, float]:
+    """The sync's collectives timed: (seconds, ZeRO-3's forward gathers among them, the
+    part no compute can hide (one unit's each, ZeRO-3), bytes sent)."""
+    d, c, e, t = step.layout.dp, step.layout.cp, step.layout.ep, step.layout.tp
+    dense_layer, expert_layer = _layer_weights(step)
+    group_all, link, half = d * c, step.rings["sync"], step.hardware.collective_half_bytes
+    total = forward_gathers = exposed_floor = sent = 0.0
+    for group, weights, unit_weights in ((group_all, params_per_device, dense_layer / t),
+                                         (group_all // e, experts_per_device,
+                                          expert_layer / t)):
+        if group == 1 or not weights:
+            continue
+        root = max(0.0, weights - step.slowest * unit_weights)  # embedding, output layer
+        per = model_state_bytes_by_kind(weights, 1, 0, step.mixed_precision)
+        grad_bytes = per["grads"] / weights if grad_reduce_bytes is None else grad_reduce_bytes
+        param_bytes = per["params"] / weights
+        ops = sync_collectives(step.slowest, unit_weights, root, group, step.zero, step.m,
+                               grad_bytes, param_bytes)
+        seconds = [k * collective_time(op, nbytes, group, link.alpha, link.beta,
+                                       half_bytes=half, algorithm="nccl")
+                   for k, op, nbytes in ops]
+        if step.zero == 3:  # ops: the forwards' gathers, the backwards' gathers, the scatters
+            forward_gathers += seconds[0] + seconds[1]
+            exposed_floor += sum(collective_time(op, unit_weights * nb, group, link.alpha,
+                                                 link.beta, half_bytes=half)
+                                 for op, nb in (("all_gather", param_bytes),
+                                                ("all_gather", param_bytes),
+                                                ("reduce_scatter", grad_bytes))) * step.m
+        total += sum(seconds)
+        sent += sum(k * predicted_sent_bytes(op, nbytes, group) for k, op, nbytes in ops)
+    return total, forward_gathers, exposed_floor, sent
 
 
 # Megatron-LM's gradient buckets: max(40M, 1M x data-parallel size) elements per bucket
