@@ -13,7 +13,9 @@
   parallelism axis' group (spans of kind "tp", "dp", ...).
 - :mod:`~parlib.measure.memory`: bytes of parameters, gradients, optimizer state and saved
   activations (:class:`SavedActivations`, :func:`memory_breakdown`).
-- :mod:`~parlib.measure.timeline`: spans per rank (:class:`Recorder`) and their analysis.
+- :mod:`~parlib.measure.timeline`: spans per rank (:class:`Recorder`) and their analysis;
+  :mod:`~parlib.measure.trace` writes them as a Chrome/Perfetto trace
+  (:func:`save_chrome_trace`), the format ``torch.profiler`` exports.
 - :mod:`~parlib.measure.emulation`: emulated stage cost and slow links (:class:`SlowLink`,
   the third view), labelled as such.
 - :mod:`~parlib.measure.links`: the all-reduce alpha-beta fit the launching chapter saves and later
@@ -43,6 +45,7 @@ _WHERE = {
     "axis_traffic": "traffic",
     "Recorder": "timeline", "Span": "timeline", "align": "timeline", "busy_time": "timeline",
     "idle_spans": "timeline", "makespan": "timeline", "measured_bubble": "timeline",
+    "chrome_trace": "trace", "save_chrome_trace": "trace",
     "PacedCost": "emulation", "SlowLink": "emulation", "StageCost": "emulation",
     "default_cost": "emulation",
     "LinkFit": "links", "fit_link": "links", "load_link": "links", "save_links": "links",
