@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from parlib.comm import all_gather, rank_and_size, reduce_scatter
 from parlib.strategies.fsdp import FSDP, GatherUnit, Unit
-from parlib.strategies.zero import FlatShard, broadcast_tensors
+from parlib.strategies.zero import FlatShard, agree_on_model, broadcast_tensors
 
 
 def unit_params(model: nn.Module, units: list[str] | None = None) -> list[list[torch.Tensor]]:
@@ -81,6 +81,7 @@ class Zero2:
                  **defaults: Any) -> None:
         self.rank, self.world_size = rank_and_size(group, "Zero2")
         self.group = group
+        agree_on_model("Zero2", model, group)
         broadcast_tensors([*model.parameters(), *model.buffers()], broadcast_from, group)
         groups = unit_params(model, units)
         if not groups:
