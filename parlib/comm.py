@@ -1,4 +1,5 @@
-"""Collectives under the names every torch version knows, and this rank's place in a group.
+"""Collectives under the names every torch version knows, this rank's place in a group, and
+the ranks' agreement on their settings.
 
 torch 2.13 renamed ``reduce_scatter_tensor`` to ``reduce_scatter_single`` and
 ``all_gather_into_tensor`` to ``all_gather_single`` and deprecates the old names. This is
@@ -6,6 +7,10 @@ the only module that knows: the rest of parlib, and the learner's code, call
 :func:`reduce_scatter` and :func:`all_gather`, which pick whichever this torch has, so the
 same code runs on an older cluster. :func:`quiet_renames` hides the deprecation warnings
 that torch's own code (FSDP, DTensor) still triggers through the old names.
+
+:func:`agree` is the one set-up check the strategies share: the ranks exchange their
+settings (shapes, dtypes, counts) once, and a mismatch raises the same message on every
+rank, instead of the backend's size-mismatch abort, a hang or a silent wrong answer.
 """
 
 from __future__ import annotations
@@ -135,7 +140,7 @@ def agree(what: str, group: Any, settings: Mapping[str, tuple[Any, str]],
 
 def _by_rank(values: list[Any], group: Any) -> str:
     """'rank 0: 4, rank 1: 3' (global ranks), ranks with equal values together."""
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     seen: list[tuple[Any, list[int]]] = []
     for rank, value in zip(ranks, values):
         for known, members in seen:

@@ -206,7 +206,9 @@ class RingAttention(Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *,
                    causal: bool = True, layout: str = "contiguous") -> torch.Tensor:
     """Attention over the whole sequence of this rank's queries, q, k, v (b, a, s/cp, d),
-    the sequence split over ``group`` in ``layout``; returns (b, a, s/cp, d)."""
+    the sequence split over ``group`` in ``layout``; returns (b, a, s/cp, d). The first
+    call with ``group`` checks that its ranks agree on the shapes, dtype, ``causal`` and
+    ``layout`` (:func:`parlib.comm.agree`), raising on every rank if not."""
     comm.rank_and_size(group, "ring_attention", allow_none=False)
     _check_shapes(q, k, v)
     _agree_across_ranks("ring_attention", q, group, causal, layout)
@@ -266,7 +268,8 @@ class AllGatherKV(Function):
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *,
                          causal: bool = True, layout: str = "contiguous") -> torch.Tensor:
     """The simple way: gather all of K and V, then attend the local queries
-    (b, a, s/cp, d) over the whole sequence; returns (b, a, s/cp, d)."""
+    (b, a, s/cp, d) over the whole sequence; returns (b, a, s/cp, d). The first call with
+    ``group`` checks its ranks' settings, as :func:`ring_attention` does."""
     rank, cp = comm.rank_and_size(group, "all_gather_attention", allow_none=False)
     _check_shapes(q, k, v)
     _agree_across_ranks("all_gather_attention", q, group, causal, layout)

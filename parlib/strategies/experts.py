@@ -95,7 +95,9 @@ class ExpertParallelMoE(nn.Module):
 
     ``experts`` is an ``nn.ModuleDict`` keyed by the global expert index, so parameter
     names are those of the single-device :class:`parlib.model.MoE`
-    (``experts.5.up.weight``): this rank's are a subset of them."""
+    (``experts.5.up.weight``): this rank's are a subset of them. Every rank of ``group``
+    builds it together, checking that they agree on n_experts, top_k, capacity_factor and
+    d_model."""
 
     def __init__(self, moe: MoE, group: Any) -> None:
         super().__init__()

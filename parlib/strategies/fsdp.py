@@ -232,7 +232,8 @@ class FSDP(nn.Module):
     ``replicate``: trainable parameters not worth sharding, kept whole on every rank (fp32,
     cast for the forward) and their gradients averaged by one all-reduce in
     :meth:`finish_gradient_synchronization`: a rule's name (``"norms_and_biases"``,
-    :func:`norms_and_biases`), any ``(name, param) -> bool``, or a collection of names."""
+    :func:`norms_and_biases`), any ``(name, param) -> bool``, or a collection of names.
+    Every rank must wrap the same model (names and shapes, checked before the broadcast)."""
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  units: list[str] | None = None, prefetch: bool = False,

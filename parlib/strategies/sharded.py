@@ -73,7 +73,8 @@ class Zero2:
     """ZeRO-2 on ``model`` over ``group`` with the elementwise optimizer ``optimizer_cls``
     (``**defaults``: its hyperparameters); see the module docstring. ``units``: submodule
     names whose gradients are reduce-scattered together (default: the blocks), best listed in
-    forward order: they are reduced in the reverse order, and one waits for those before it."""
+    forward order: they are reduced in the reverse order, and one waits for those before it.
+    Every rank must wrap the same model (names and shapes, checked before the broadcast)."""
 
     def __init__(self, model: nn.Module,
                  optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam, *,
