@@ -110,11 +110,20 @@ def test_cp_or_tp_right_option_is_not_the_longest():
 
 def test_merge_cases_cover_masked_rows_and_overflow():
     # the cases the grader judges must hold what its diagnoses look for
-    assert set(CASES) == {"plain", "causal", "large", "masked"}
+    assert set(CASES) == {"plain", "causal", "large", "masked", "causal_large", "swapped_large"}
     causal, large, masked = _blocks("causal"), _blocks("large"), _blocks("masked")
     assert causal["lse_b"].isneginf().any() and causal["lse"].isfinite().all()
     assert large["lse"].max() > 88  # exp overflows fp32 past 88.7
+    # the max lies far in either block: a merge relative to one side's lse overflows
+    assert (large["lse_b"] - large["lse_a"]).max() > 88
+    assert (large["lse_a"] - large["lse_b"]).max() > 88
     assert masked["lse"].isneginf().any() and masked["lse"].isfinite().any()
+    # rows that see one block only, either one, with a log-sum-exp past exp's limit
+    for name, empty, seen in (("causal_large", "lse_b", "lse_a"),
+                              ("swapped_large", "lse_a", "lse_b")):
+        blocks = _blocks(name)
+        one_side = blocks[empty].isneginf() & blocks[seen].isfinite()
+        assert (blocks[seen][one_side] > 88).any(), name
 
 
 def _merge(old: str, new: str) -> str:
@@ -146,6 +155,27 @@ MERGE_MUTANTS = {
                       "one side's", "lse_not_merged"),
     "lse_off_by_log2": (_merge("top + torch.log(total)", "top + torch.log(total + 1)"),
                         "out is right but lse differs", "wrong_lse"),
+    # the -inf guard keyed on one side, not on the max: m = 0 on rows that saw only the
+    # other side, whose exp(lse) overflows (passed before the large one-side cases)
+    "guards_on_lse_a": (_merge("torch.where(torch.isfinite(top), top,",
+                               "torch.where(torch.isfinite(lse_a), top,"),
+                        "a guard on lse_a or lse_b alone", "guard_on_one_side"),
+    "guards_on_lse_b": (_merge("torch.where(torch.isfinite(top), top,",
+                               "torch.where(torch.isfinite(lse_b), top,"),
+                        "one lse is -inf and the other large", "guard_on_one_side"),
+    # the running max taken from block a: the large case's max lies far in block b too
+    "max_from_block_a": (_merge("torch.maximum(lse_a, lse_b)", "lse_a.clone()"),
+                         "overflows", "no_running_max"),
+    # -inf replaced by a -1e9 sentinel: a row that sees nothing comes out finite (before:
+    # "lse differs", with a max |difference| of 0 over the finite rows)
+    "sentinel_for_inf": (_merge("    top = torch.maximum(lse_a, lse_b)",
+                                "    lse_a = torch.nan_to_num(lse_a, neginf=-1e9)\n"
+                                "    lse_b = torch.nan_to_num(lse_b, neginf=-1e9)\n"
+                                "    top = torch.maximum(lse_a, lse_b)"),
+                         "a sentinel standing in for -inf (like -1e9)", "lse_not_minus_inf"),
+    # the log of the total made safe for division: lse 0 where nothing was seen
+    "log_of_safe_total": (_merge("top + torch.log(total)", "top + torch.log(safe)"),
+                          "take the log of the total itself", "lse_not_minus_inf"),
     "swaps_weights": (_merge("    out = (wa[..., None] * out_a + wb[..., None] * out_b)",
                              "    out = (wb[..., None] * out_a + wa[..., None] * out_b)"),
                       "out differs from the full softmax", "wrong_output"),
