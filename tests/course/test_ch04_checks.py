@@ -69,8 +69,8 @@ def test_numeric_answers_and_hints():
     assert "warm-up" in check("04.1f1b_inflight", 3).message
     assert check("04.boundary_bytes", 268_435_456).passed
     assert "one direction" in check("04.boundary_bytes", 134_217_728).message
-    assert check("04.more_stages", "B").passed
-    assert check("04.more_stages", "A").status == "failed"
+    assert check("04.more_stages", "A").passed
+    assert check("04.more_stages", "B").status == "failed"
 
 
 def test_min_microbatches_names_the_other_bubble_definition():
@@ -447,10 +447,10 @@ def test_new_numeric_questions_accept_the_answer_and_name_the_mistakes():
     assert "share of 1F1B's bubble that is left" in check("04.zb_removed", 1.4 / 3).message
     assert "same time" in check("04.zb_removed", 2 / 3).message
     assert "twice" in check("04.zb_removed", 0.8 / 3).message
-    assert check("04.schedule_for_memory", "b").passed
-    for wrong in "ACD":
+    assert check("04.schedule_for_memory", "d").passed
+    for wrong in "ABC":
         assert check("04.schedule_for_memory", wrong).status == "failed"
-    assert "more than 8" in check("04.schedule_for_memory", "D").message
+    assert "more than 8" in check("04.schedule_for_memory", "B").message
 
 
 def test_memory_choice_facts_hold():
