@@ -418,7 +418,7 @@ register(Choice(
     options={
         "A": "GPipe: it keeps every microbatch until the flush, so it never stalls.",
         "B": "Interleaved 1F1B, v = 2: it divides the bubble by v at the same peak.",
-        "C": "1F1B: no schedule with this bubble holds fewer than p microbatches.",
+        "C": "1F1B: no schedule with its bubble holds fewer than p microbatches.",
         "D": "ZB-H1: it keeps 1F1B's peak, and it fills the cool-down with the W.",
     },
     prompt="""
