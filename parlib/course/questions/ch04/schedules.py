@@ -78,14 +78,22 @@ GROUP_CALLS = {"get_rank": lambda p: (0, p - 1), "get_world_size": lambda p: (1,
 
 
 def _ops_under(fn: Callable, p: int, m: int, call: str, value: int) -> str:
-    """Every rank's ops (as text) while ``dist.<call>()`` returns ``value``."""
+    """Every rank's ops (as text: anything but an Op by its type alone, so that the text
+    does not change from call to call) while ``dist.<call>()`` returns ``value``."""
     from unittest import mock
 
     import torch.distributed as dist
 
+    from parlib.strategies.schedules import Op
+
+    def text(ops: Any) -> str:
+        if not isinstance(ops, (list, tuple)):
+            return type(ops).__name__
+        return " ".join(repr(op) if isinstance(op, Op) else type(op).__name__ for op in ops)
+
     with mock.patch.object(dist, call, lambda *args, **kwargs: value):
         try:
-            return repr([fn(p, m, r) for r in range(p)])
+            return " | ".join(text(fn(p, m, r)) for r in range(p))
         except Exception as err:  # noqa: BLE001 -- raising under one value is depending on it
             return f"raised {type(err).__name__}"
 
