@@ -66,9 +66,9 @@ def test_numbers_are_the_cost_models():
     ("02.recompute_pays", "c", "A", "what divides the activations"),
     ("02.recompute_pays", "C", "B", "bytes per parameter"),
     ("02.recompute_pays", "C", "D", "twice a forward"),
-    ("02.fast_links", "b", "A", "2 x P x (N-1)/N"),
-    ("02.fast_links", "B", "C", "more memory"),
-    ("02.fast_links", "B", "D", "number of units"),
+    ("02.fast_links", "d", "A", "2 x P x (N-1)/N"),
+    ("02.fast_links", "D", "C", "more memory"),
+    ("02.fast_links", "D", "B", "number of units"),
 ])
 def test_choices(qid, right, wrong, hint):
     assert check(qid, right).passed

@@ -189,12 +189,12 @@ register(Numeric(
 
 register(Choice(
     "04.more_stages",
-    "B",
+    "A",
     options={
-        "A": "Adding stages removes the bubble, as long as every stage gets the same number "
+        "A": "Each extra stage adds one more slot of fill and one of drain: the idle "
+             "fraction grows with p.",
+        "B": "Adding stages removes the bubble, as long as every stage gets the same number "
              "of layers.",
-        "B": "Each extra stage adds a slot of fill and of drain: the idle fraction grows "
-             "with p.",
         "C": "The bubble is caused by slow links between stages; more stages do not make "
              "links faster.",
         "D": "The bubble is caused by the gradient all-reduce at the end of the step, which "
@@ -205,7 +205,7 @@ register(Choice(
         stages ("each stage then finishes sooner"). Why does that not work? Give one letter.
     """,
     working="""
-        **B**. With p stages, the first microbatch needs p - 1 slots to reach the last
+        **A**. With p stages, the first microbatch needs p - 1 slots to reach the last
         stage, and the last one needs p - 1 slots to come back: the fill and drain do not
         depend on how short a stage is, only on how many there are. Shorter stages shrink
         each slot, and the whole step with it, but the idle fraction (p-1)/(m+p-1) grows
@@ -213,7 +213,7 @@ register(Choice(
         exists even with infinitely fast links (C) and without any all-reduce (D).
     """,
     hints={
-        "A": "try p = 8 instead of 4 with m = 8 in (p-1)/(m+p-1): does the bubble shrink?",
+        "B": "try p = 8 instead of 4 with m = 8 in (p-1)/(m+p-1): does the bubble shrink?",
         "C": "the bubble appears in the timelines even with instant links: it is stages "
              "waiting for work, not for bytes",
         "D": "a pipeline alone has no all-reduce; the bubble is the pipe filling and draining",
@@ -228,7 +228,7 @@ register(Choice(
     options={
         "A": "After every microbatch's backward, all 8 ranks all-reduce all their gradients.",
         "B": "Once per step, all 8 ranks all-reduce the whole model's gradients together.",
-        "C": "Once per step: each stage with its twin stage in the other copy.",
+        "C": "Once per step: each stage all-reduces with its twin stage in the other copy.",
         "D": "Never: the pipeline's send and recv already carry the gradients between the "
              "copies.",
     },
@@ -414,12 +414,12 @@ _IL_PEAK, _IL_BUBBLE = _PEAKS["interleaved"], bubble_fraction(_P_MEM, _M_MEM, 2)
 
 register(Choice(
     "04.schedule_for_memory",
-    "B",
+    "D",
     options={
         "A": "GPipe: it keeps every microbatch until the flush, so it never stalls.",
-        "B": "ZB-H1: it keeps 1F1B's peak and fills the cool-down with the W.",
-        "C": "1F1B: no schedule with this bubble holds fewer than p microbatches.",
-        "D": "Interleaved 1F1B, v = 2: it divides the bubble by v at the same peak.",
+        "B": "Interleaved 1F1B, v = 2: it divides the bubble by v at the same peak.",
+        "C": "1F1B: no schedule with its bubble holds fewer than p microbatches.",
+        "D": "ZB-H1: it keeps 1F1B's peak, and it fills the cool-down with the W.",
     },
     prompt="""
         p = 4 stages, m = 16 microbatches. Each rank has room for the saved activations of
@@ -428,7 +428,7 @@ register(Choice(
         fit, which has the smallest bubble? Give one letter.
     """,
     working=f"""
-        **B**. Count the peak on the first rank, which holds the most. GPipe holds all
+        **D**. Count the peak on the first rank, which holds the most. GPipe holds all
         m = {_PEAKS['gpipe']} microbatches: it does not fit. 1F1B holds p = {_PEAKS['1f1b']}: it
         fits, with a bubble of {bubble_fraction(_P_MEM, _M_MEM):.3f} of the step. ZB-H1 holds
         the same {_PEAKS['zb-h1']} (a microbatch counts until its W, and each W runs before
@@ -440,7 +440,7 @@ register(Choice(
     hints={
         "A": "GPipe holds the activations of all m microbatches at its peak: does 16 fit in 4?",
         "C": "1F1B fits, but another schedule holds exactly as much and waits less",
-        "D": "count the interleaved schedule's warm-up forwards on rank 0: each chunk "
+        "B": "count the interleaved schedule's warm-up forwards on rank 0: each chunk "
              "microbatch counts half, but there are more than 8 of them",
     },
 ))
