@@ -9,7 +9,7 @@ import pytest
 from parlib.cost.experts import ep_all_to_all_bytes_per_layer, moe_params_per_rank, tokens_dropped
 from parlib.course.check import check
 from parlib.course.questions.ch06 import DISPATCH_SOLUTION, EP_LAYER_SOLUTION
-from parlib.course.questions.ch06.dispatch import CASES, _case
+from parlib.course.questions.ch06.dispatch import CASES, IDLE, _case
 from parlib.course.questions.ch06.ep_layer import FACTOR, PHASES, TOKENS, _setting
 from parlib.course.registry import questions
 from parlib.model import route
@@ -113,7 +113,7 @@ def _token_major_keep(experts, capacity):
 
 def test_dispatch_cases_drop_choices_and_tell_the_orders_apart():
     # the capacity cases must drop choices, and dropping token-major must drop other ones
-    assert [CASES[n][0] for n in CASES] == [2, 4, 2, 4]
+    assert [CASES[n][0] for n in CASES] == [2, 4, 2, 4, 4]
     for name in ("ep2_capacity", "ep4_capacity"):
         case = _case(name)
         r = case["routing"]
@@ -171,6 +171,46 @@ DISPATCH_MUTANTS = {
     "returns_transposed": (_dispatch("[:, None])\n", "[:, None]).T\n"),
                      "expected (16, 8)", "wrong_shape"),
 }
+
+
+def test_dispatch_idle_case_has_idle_experts_an_idle_rank_and_tokens_that_lose_everything():
+    case = _case("ep4_idle_experts")
+    r = case["routing"]
+    picked = set(r.experts.reshape(-1).tolist())
+    assert not picked & set(IDLE["ep4_idle_experts"]) and {6, 7} <= set(IDLE["ep4_idle_experts"])
+    assert (~r.keep.any(1)).any()  # some token loses every choice at capacity
+    for name in CASES:  # and only there: the other cases do not tell these answers apart
+        if name not in IDLE:
+            other = _case(name)["routing"]
+            assert other.keep.any(1).all() and len(set(other.experts.reshape(-1).tolist())) == 8
+
+
+# Wrong answers right on every case but the idle one (or on none, but named for another
+# reason before): (source, words of the hint, diagnosis)
+DISPATCH_EDGE_MUTANTS = {
+    "bincount_without_minlength": (
+        _dispatch("torch.bincount(expert, minlength=n_experts)", "torch.bincount(expert)"),
+        "minlength=n_experts", "idle_expert_counts"),
+    "counts_of_present_experts": (
+        _dispatch("torch.bincount(expert, minlength=n_experts)",
+                  "torch.unique(expert, return_counts=True)[1]"),
+        "receive no token", "idle_expert_counts"),
+    "dropped_token_passed_through": (
+        _dispatch("    out = torch.zeros_like(x)\n",
+                  "    out = x * ~keep.any(1, keepdim=True)  # a dropped token passes through\n"),
+        "lost every choice at capacity", "dropped_token_passed_through"),
+    "renormalises_over_top_k": (
+        _dispatch("back * weights[token, choice][:, None]",
+                  "back * (weights / weights.sum(1, keepdim=True))[token, choice][:, None]"),
+        "renormalised the router weights", "renormalised_router_weights"),
+    "renormalises_over_kept_choices": (
+        _dispatch("    out = torch.zeros_like(x)\n",
+                  "    kept = weights * keep\n"
+                  "    weights = kept / kept.sum(1, keepdim=True)\n"
+                  "    out = torch.zeros_like(x)\n"),
+        "renormalised the router weights", "renormalised_router_weights"),
+}
+DISPATCH_MUTANTS.update(DISPATCH_EDGE_MUTANTS)
 
 
 def test_dispatch_accepts_worked_answer():
