@@ -11,6 +11,7 @@ from parlib.course.check import check
 from parlib.course.questions.ch06 import DISPATCH_SOLUTION, EP_LAYER_SOLUTION
 from parlib.course.questions.ch06.dispatch import CASES, IDLE, _case
 from parlib.course.questions.ch06.ep_layer import FACTOR, PHASES, TOKENS, _setting
+from parlib.course.questions.ch06.ep_layer import IDLE as LAYER_IDLE
 from parlib.course.registry import questions
 from parlib.model import route
 from tests.helpers.learner_code import learner
@@ -257,7 +258,7 @@ def test_expert_parallel_layer_settings_drop_choices_and_tell_the_orders_apart()
             token_major.append(_token_major_keep(r.experts, s["capacity"]))
         assert not all(all(k) for k in keeps), (ep, index)
         assert keeps != token_major, (ep, index)
-    assert [p for p, _ in PHASES[4]] == ["world", "world", "pairs", "pairs"]
+    assert [p for p, _ in PHASES[4]] == ["world", "world", "pairs", "pairs", "strided"]
 
 
 def test_expert_parallel_layer_accepts_worked_answer():
@@ -358,6 +359,46 @@ LAYER_MUTANTS = {
                                   "all_to_all(x[token[order]].detach(),"),
                            "the tokens' gradient", "x_gradient"),
 }
+
+
+_COUNT_SWAP = ("    incoming = torch.empty_like(per_expert)\n"
+               "    dist.all_to_all_single(incoming, per_expert, group=group)\n"
+               "    incoming = incoming.view(ep, -1)\n")
+
+# Wrong answers right in the settings the check built before (or named for another reason):
+# (source, words of the hint, diagnosis)
+LAYER_EDGE_MUTANTS = {
+    "place_in_group_from_the_global_rank": (
+        _layer(_COUNT_SWAP,
+               "    every = [torch.empty_like(per_expert) for _ in range(ep)]\n"
+               "    dist.all_gather(every, per_expert, group=group)  # every rank's counts\n"
+               "    me = dist.get_rank() % ep  # my place in the group\n"
+               "    incoming = torch.stack(every).view(ep, ep, -1)[:, me].contiguous()\n"),
+        "({0, 2} and {1, 3})", "global_rank_in_group"),
+    "bincount_without_minlength": (
+        _layer("torch.bincount(expert, minlength=n_experts)", "torch.bincount(expert)"),
+        "minlength=n_experts", "idle_expert_counts"),
+    "dropped_token_passed_through": (
+        _layer("    out = torch.zeros_like(x)\n",
+               "    out = x * ~keep.any(1, keepdim=True)  # a dropped token passes through\n"),
+        "lost every choice at capacity", "dropped_token_passed_through"),
+    "renormalises_over_top_k": (
+        _layer("back * weights[token, choice][:, None]",
+               "back * (weights / weights.sum(1, keepdim=True))[token, choice][:, None]"),
+        "renormalised the router weights", "renormalised_router_weights"),
+}
+LAYER_MUTANTS.update(LAYER_EDGE_MUTANTS)
+
+
+def test_expert_parallel_layer_idle_setting_has_idle_experts_and_lost_tokens():
+    s = _setting(0, 4, FACTOR)
+    lost = 0
+    for rank, part in enumerate(s["x"].split(TOKENS)):
+        r = route(part, s["moe"].router, 2, FACTOR)
+        assert not set(r.experts.reshape(-1).tolist()) & set(LAYER_IDLE), rank
+        lost += int((~r.keep.any(1)).sum())
+    assert lost and {6, 7} <= set(LAYER_IDLE)  # rank 3 holds experts 6 and 7: it receives nothing
+    assert ("strided", None) in PHASES[4]
 
 
 @pytest.mark.parametrize("mutant", sorted(LAYER_MUTANTS))
