@@ -138,6 +138,21 @@ def test_binary_and_decimal_prefixes_are_named_in_every_question_in_bytes(factor
         assert r.status == "failed" and names in r.message, (qid, r.message)
 
 
+@pytest.mark.parametrize("unit, answer", [("bytes", 100.0), ("ms", 3.0), (None, 0.25),
+                                          ("parameters", 1e6)])
+def test_every_unit_slip_reaches_its_hint(unit, answer):
+    from parlib.course.question_types import unit_slips
+
+    q = register(Numeric("99.slips", answer, unit=unit, prompt="p", working="w"))
+    try:
+        for factor, hint in unit_slips(answer, unit):
+            r = check("99.slips", answer * factor)
+            assert r.status == "failed" and (hint or "looks like a percent") in r.message, (
+                factor, r.message)
+    finally:
+        registry._REGISTRY.pop(q.id, None)
+
+
 def test_prefixes_are_named_only_where_the_answer_is_in_bytes():
     counts = {qid: q for qid, q in _numeric_questions().items()
               if not _in_bytes(q) and q.unit is not None}

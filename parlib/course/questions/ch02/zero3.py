@@ -95,7 +95,9 @@ class _Pending:
     def is_completed(self) -> bool:
         return not self._outs
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # the rest of a Work's methods
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self._work, name)
 
 

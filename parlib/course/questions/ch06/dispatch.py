@@ -210,9 +210,9 @@ def renormalised(weights: torch.Tensor, keep: torch.Tensor | None = None) -> tor
 
 
 _unweighted = _output_is(lambda case: _combined(case, torch.ones(TOKENS, K)))
+# over the kept choices it is the same until a capacity drops one, and the cases without a
+# capacity limit come first: the top-k renormalisation is the one a wrong answer shows
 _renormalised = _output_is(lambda case: _combined(case, renormalised(case["routing"].weights)))
-_renormalised_kept = _output_is(lambda case: _combined(
-    case, renormalised(case["routing"].weights, case["routing"].keep)))
 _dropped_passed_through = _output_is(lambda case: case["out"] + case["x"] * (
     ~case["routing"].keep.any(1, keepdim=True)))
 
@@ -289,11 +289,11 @@ DIAGNOSES = (
               "your output adds each token's expert outputs without the router's weight: "
               "scale each returned row by its choice's weight (weights[token, choice]) "
               "before adding it to its token"),
-    Diagnosis("renormalised_router_weights", lambda c: _renormalised(c) or _renormalised_kept(c),
-              lambda c: "you renormalised the router weights (each token's weights divided by "
-              f"their sum over its {'top-k' if _renormalised(c) else 'kept'} choices): this "
-              "layer scales each expert's output by the router's probability as it is, "
-              "weights[token, choice] (softmax over all E experts), without renormalising"),
+    Diagnosis("renormalised_router_weights", _renormalised,
+              "you renormalised the router weights (each token's weights divided by their sum "
+              "over its top-k or its kept choices): this layer scales each expert's output by "
+              "the router's probability as it is, weights[token, choice] (softmax over all E "
+              "experts), without renormalising"),
     Diagnosis("dropped_token_passed_through", _dropped_passed_through, _all_dropped),
     Diagnosis("wrong_combine_order", always,
               "the rows you sent were right but the output is not: the returned rows come "

@@ -203,8 +203,6 @@ def _candidates(s: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
                 "permuted_again": zero.index_add(0, token, returned[order] * w),
                 "renormalised": zero.index_add(0, token, back * renormalised(
                     r.weights)[token, choice][:, None]),
-                "renormalised_kept": zero.index_add(0, token, back * renormalised(
-                    r.weights, r.keep)[token, choice][:, None]),
                 "dropped_passed_through": right + x * lost if bool(lost.any()) else None}
 
 
@@ -340,10 +338,10 @@ def _layer_rank(fn: Callable, phases: tuple[tuple[str, float | None], ...]) -> l
 # computed are judged first (only then: a right answer may run an expert on more rows)
 _ORDER = ("counts_by_expert", "split_lengths", "receive_counts", "error", "plain_all_to_all",
           "not_output", "rows_not_tokens", "capacity_ignored", "wrong_drops", "not_grouped",
-          "unweighted", "renormalised", "renormalised_kept", "dropped_passed_through",
+          "unweighted", "renormalised", "dropped_passed_through",
           "sent_order", "permuted_again", "wrong_output", "no_autograd",
           "expert_gradient", "router_gradient", "x_gradient")
-_OUTPUTS = ("unweighted", "renormalised", "renormalised_kept", "dropped_passed_through",
+_OUTPUTS = ("unweighted", "renormalised", "dropped_passed_through",
             "sent_order", "permuted_again", "wrong_output")
 
 
@@ -464,11 +462,13 @@ DIAGNOSES = (
         "your output adds each token's expert outputs without the router's weight: scale "
         "each returned row by its choice's weight (weights[token, choice]) before adding it "
         "to its token")),
-    Diagnosis("renormalised_router_weights", _is("renormalised", "renormalised_kept"), _hint(
-        lambda c: "you renormalised the router weights (each token's weights divided by "
-        f"their sum over its {'top-k' if _what(c) == 'renormalised' else 'kept'} choices): "
-        "this layer scales each expert's output by the router's probability as it is, "
-        "weights[token, choice] (softmax over all E experts), without renormalising")),
+    # (over the kept choices it is the same until a capacity drops one: a phase without a
+    # capacity limit comes first in every layout)
+    Diagnosis("renormalised_router_weights", _is("renormalised"), _hint(
+        "you renormalised the router weights (each token's weights divided by their sum over "
+        "its top-k or its kept choices): this layer scales each expert's output by the "
+        "router's probability as it is, weights[token, choice] (softmax over all E experts), "
+        "without renormalising")),
     Diagnosis("dropped_token_passed_through", _is("dropped_passed_through"), _hint(
         "a token that lost every choice at capacity gets x from your layer: it should get 0 "
         "(no expert computed it). The block's residual, x + moe(x), passes it through; "
