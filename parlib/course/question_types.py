@@ -309,6 +309,9 @@ class RoundedFraction(Numeric):
         value = _as_number(answer, "a fraction between 0 and 1")
         if 1 < value <= 100 and self._rounds_to(value / 100, self.answer):
             raise CheckFailed(percent_hint(value))
+        for wrong, hint in self.mistakes.items():  # a mistake itself, however few its digits
+            if self._close(value, float(wrong)):
+                raise CheckFailed(f"{value:g} is not right: {hint}")
         if self._rounds_to(value, self.answer):
             if self._too_coarse(value):
                 raise CheckFailed(f"{value:g} is too coarse to judge: give at least "

@@ -186,9 +186,15 @@ def test_every_tolerance_separates_the_slips_it_names():
     # 06.params_per_rank (0.1%) accepted the router left out or sharded (0.03% off)
     from parlib.course.question_types import unit_slips
 
+    from parlib.course.question_types import RoundedFraction
+
     for qid, q in _numeric_questions().items():
         for wrong in q.mistakes:
             assert not q._close(float(wrong), q.answer), (qid, wrong)
+            if isinstance(q, RoundedFraction):  # a mistake to the fewest digits it accepts
+                coarse = float(f"{float(wrong):.{q.min_digits}g}")
+                assert check(qid, coarse).status == "failed", (qid, wrong, coarse)
+                assert check(qid, float(wrong)).message.endswith(q.mistakes[wrong]), qid
         for factor, _ in unit_slips(q.answer, q.unit):
             assert not q._close(q.answer * factor, q.answer), (qid, factor)
 
