@@ -184,9 +184,7 @@ def test_a_percent_is_named_for_a_plain_numeric_fraction():
 def test_every_tolerance_separates_the_slips_it_names():
     # a tolerance wide enough to accept a named slip accepts a wrong answer: before,
     # 06.params_per_rank (0.1%) accepted the router left out or sharded (0.03% off)
-    from parlib.course.question_types import unit_slips
-
-    from parlib.course.question_types import RoundedFraction
+    from parlib.course.question_types import RoundedFraction, unit_slips
 
     for qid, q in _numeric_questions().items():
         for wrong in q.mistakes:
