@@ -217,6 +217,11 @@ _dropped_passed_through = _output_is(lambda case: case["out"] + case["x"] * (
     ~case["routing"].keep.any(1, keepdim=True)))
 
 
+def _idle(c: Case) -> list[int]:
+    """The experts no token of this case picks."""
+    return sorted(set(range(E)) - set(c.report["case"]["routing"].experts.reshape(-1).tolist()))
+
+
 def _all_dropped(c: Case) -> str:
     lost = torch.nonzero(~c.report["case"]["routing"].keep.any(1)).reshape(-1).tolist()
     return (f"tokens {lost} lost every choice at capacity, and your output gives them x: "
@@ -254,8 +259,8 @@ DIAGNOSES = (
               lambda c: f"your counts add up to {_detail(c)}: count only the choices you "
               "send, the kept ones (after the capacity cut), each exactly once"),
     Diagnosis("idle_expert_counts", _is("idle_counts"),
-              lambda c: f"experts {list(IDLE[c.report['case']['name']])} receive no token "
-              f"here, experts 6 and 7 being all of rank 3's ({_detail(c)}): per_expert needs "
+              lambda c: f"experts {_idle(c)} receive no token here, 6 and 7 being all of "
+              f"rank 3's ({_detail(c)}): per_expert needs "
               f"a count for every expert, 0 for an idle one (torch.bincount(expert, "
               f"minlength=n_experts); torch.unique counts only the experts present), and "
               f"per_rank one for every rank, 0 for an idle one"),
