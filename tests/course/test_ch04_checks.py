@@ -73,6 +73,27 @@ def test_numeric_answers_and_hints():
     assert check("04.more_stages", "B").status == "failed"
 
 
+@pytest.mark.parametrize("qid", ["04.bubble_naive", "04.bubble", "04.interleaved_bubble",
+                                 "04.zb_removed"])
+def test_fractions_are_judged_by_the_rounding_of_their_digits(qid):
+    # as 08.seed_bubble judges the same 3/11: two digits pass, a percent and one digit are
+    # named (before, 0.27 failed 04.bubble as "too low" and passed 08.seed_bubble)
+    answer = questions("04")[qid].answer
+    assert check(qid, round(answer, 2)).passed, check(qid, round(answer, 2)).message
+    assert check(qid, round(answer, 3)).passed
+    r = check(qid, round(100 * answer, 1))
+    assert r.status == "failed" and "looks like a percent" in r.message, r.message
+    r = check(qid, round(answer, 1) if round(answer, 1) != round(answer, 2) else 0.8)
+    assert r.status == "failed" and "significant digits" in r.message, r.message
+
+
+def test_fraction_mistakes_are_named_at_two_digits():
+    r = check("04.bubble", 0.38)  # 3/8, the bubble relative to the ideal time
+    assert r.status == "failed" and "relative to the ideal" in r.message, r.message
+    r = check("04.interleaved_bubble", 0.19)  # 3/16
+    assert r.status == "failed" and "relative to the ideal" in r.message, r.message
+
+
 def test_min_microbatches_names_the_other_bubble_definition():
     # 71 solves (p-1)/m < 0.1: the learner used the bubble relative to the ideal time
     r = check("04.min_microbatches", 71)

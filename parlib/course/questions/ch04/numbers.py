@@ -11,20 +11,21 @@ from parlib.cost import (
     predicted_sent_bytes,
     schedule_compute_time,
 )
-from parlib.course.question_types import Choice, Numeric
+from parlib.course.question_types import Choice, Numeric, RoundedFraction
 from parlib.course.registry import register
 
 MiB = 2**20
 
 # --------------------------------------------------------------------------- numeric
 
-register(Numeric(
+register(RoundedFraction(
     "04.bubble_naive",
     bubble_fraction(4, 1),
     prompt="""
         Four stages in a line run one batch with no microbatches (m = 1): each stage does
         its forward, then the backward comes back. What fraction of the step is each
-        stage idle? Give a number between 0 and 1.
+        stage idle? Give a number between 0 and 1, to two digits or more (an answer is
+        judged by the rounding of the digits you give).
     """,
     working="""
         Count time in slots of one stage's forward + backward of the batch. The step lasts
@@ -42,13 +43,14 @@ register(Numeric(
     },
 ))
 
-register(Numeric(
+register(RoundedFraction(
     "04.bubble",
     bubble_fraction(4, 8),
     prompt="""
         The same four stages now cut the batch into m = 8 microbatches and run GPipe (all
         forwards, then all backwards). What fraction of the step is a stage idle? Give a
-        number between 0 and 1 (a fraction such as 1/5 is fine).
+        number between 0 and 1, to two digits or more (an answer is judged by the rounding
+        of the digits you give; a fraction such as 1/5 is fine).
     """,
     working="""
         The step now lasts m + p - 1 = 8 + 3 = 11 slots of one microbatch's forward +
@@ -264,14 +266,15 @@ register(Choice(
 
 _P_IL, _M_IL, _V_IL = 4, 8, 2
 
-register(Numeric(
+register(RoundedFraction(
     "04.interleaved_bubble",
     bubble_fraction(_P_IL, _M_IL, _V_IL),
     prompt="""
         p = 4 ranks, m = 8 microbatches, and each rank now holds v = 2 model chunks
         (interleaved 1F1B: rank r holds virtual stages r and r + 4, each half of its old
         stage's layers). In the ideal timeline (equal chunk times, instant messages), what
-        fraction of the step is a rank idle? Give a number between 0 and 1.
+        fraction of the step is a rank idle? Give a number between 0 and 1, to two digits
+        or more (an answer is judged by the rounding of the digits you give).
     """,
     working=f"""
         Count in slots of one chunk's forward + backward of one microbatch: half a stage's
@@ -361,7 +364,7 @@ _IDLE_1F1B = _idle_per_rank("1f1b", _P_ZB, _M_ZB, _TF, _TB, _TW)
 _IDLE_ZB = _idle_per_rank("zb-h1", _P_ZB, _M_ZB, _TF, _TB, _TW)
 _IDLE_ZB_EQUAL = _idle_per_rank("zb-h1", _P_ZB, _M_ZB, _TF, _TB, _TB / 2)
 
-register(Numeric(
+register(RoundedFraction(
     "04.zb_removed",
     1 - _IDLE_ZB / _IDLE_1F1B,
     prompt="""
@@ -370,7 +373,8 @@ register(Numeric(
         weight gradients and 1.2 ms the input gradient. ZB-H1 splits the backward into
         B (input gradient) and W (weight gradients) and moves the W into the bubble,
         keeping 1F1B's memory. What fraction of 1F1B's bubble (a rank's idle time per
-        step) does ZB-H1 remove? Give a number between 0 and 1.
+        step) does ZB-H1 remove? Give a number between 0 and 1, to two digits or more (an
+        answer is judged by the rounding of the digits you give).
     """,
     working=f"""
         1F1B's idle time per rank is p - 1 = 3 slots of a stage's forward + full backward:
