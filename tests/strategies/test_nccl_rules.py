@@ -11,6 +11,7 @@ import functools
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -54,7 +55,19 @@ def _old_patterns() -> dict[str, object]:
             work.wait()
         out["batched"] = theirs.tolist()
     out["tags_without_rules"] = _swapped_tags(rank)
+    out["docstring"] = _docstring_example(peer)
     return out
+
+
+def _docstring_example(peer: int) -> list[float]:
+    """The example of parlib.comm's docstring, run as written."""
+    code = textwrap.dedent(comm.__doc__.split("::\n", 1)[1])
+    mine, theirs = torch.full((2,), float(dist.get_rank())), torch.empty(2)
+    scope = {"dist": dist, "parlib": parlib, "mine": mine, "theirs": theirs, "peer": peer}
+    exec(code, scope)
+    for work in scope["works"]:
+        work.wait()
+    return theirs.tolist()
 
 
 def _swapped_tags(rank: int) -> list[float] | None:
@@ -108,6 +121,7 @@ def test_what_nccl_honours_still_runs_under_the_rules():
         assert "from any source" in out["any_source"]
         assert out["blocking"] == float(1 - rank)
         assert out["batched"] == [float(1 - rank)] * 4
+        assert out["docstring"] == [float(1 - rank)] * 2
 
 
 def test_the_rules_put_torch_back_and_nest():
