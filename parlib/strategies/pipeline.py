@@ -24,7 +24,7 @@ by the order they were posted, never by tag (NCCL ignores tags). The next op's r
 posted ahead, so that its message travels while this op computes, when this op sends
 nothing; otherwise it joins this op's sends after the compute (NCCL runs one rank's
 batches in order, so a receive posted ahead would hold back a send its sender may be
-waiting for: GPipe with m = 1 would deadlock). With a blocking ``dist.send`` 1F1B can
+waiting for: GPipe with m = 1 can deadlock so). With a blocking ``dist.send`` 1F1B can
 deadlock: a rank sending its next activation and its neighbour sending a gradient back
 both wait for a recv that comes after the other's send; batched, the two meet. Every
 payload follows a small header (kind, microbatch, chunk): two neighbours whose schedules
@@ -282,9 +282,15 @@ class _Mailbox:
     Each op's sends (a header, then its payload) and the next op's receive (the same two)
     are posted together, one ``dist.batch_isend_irecv`` (:func:`parlib.comm.exchange`), and
     match by order, never by tag. A receive is waited for when its op runs, the sends at
-    the end of the step. (NCCL gives a batch one work, its sends included: there waiting
-    for a receive waits for the sends beside it.) One rank holding every chunk (p = 1)
-    sends to itself: a queue, in order."""
+    the end of the step. One rank holding every chunk (p = 1) sends to itself: a queue, in
+    order.
+
+    Not covered by :func:`parlib.comm.nccl_rules`: NCCL gives a batch one work, so waiting
+    for a receive also waits for the sends beside it, and runs a rank's batches in order.
+    Where a send waits for its receiver (messages beyond NCCL's buffers) that ties the two
+    ranks closer than gloo does. Emulated on gloo (each batch waited for whole, in
+    order), GPipe, 1F1B and ZB-H1 on 2 and 4 ranks and the interleaved order on 4 ran;
+    the interleaved order on 2 ranks, whose two neighbours are one rank, deadlocked."""
 
     def __init__(self, device: torch.device, shape: tuple[int, ...], alone: bool) -> None:
         self.device, self.shape, self.alone = device, shape, alone
