@@ -102,6 +102,7 @@ def quiet_renames() -> None:
         category=FutureWarning,
     )
 
+
 # --------------------------------------------------------------------------------------
 # Point-to-point messages, NCCL's way
 # --------------------------------------------------------------------------------------
@@ -148,8 +149,8 @@ class _Unbatched:
 def _peer(group: Any, peer: int | None, group_peer: int | None, kind: str) -> int:
     """The global rank of a message's peer; a receive from any source is refused."""
     if peer is None and group_peer is None:
-        raise RuntimeError(f"rank {dist.get_rank()}: {kind} from any source (no src given): "
-                           "NCCL has no such receive; name the sender")
+        raise RuntimeError(f"rank {dist.get_rank()}: {kind} with no peer (a receive from "
+                           "any source): NCCL has no such receive; name the peer")
     if peer is not None:
         return peer
     return dist.get_global_rank(group or dist.group.WORLD, group_peer)
