@@ -19,7 +19,11 @@ Three tables:
    transport cannot move CUDA tensors point to point (tried on an H200: ``writev ... Bad
    address`` in 8 of 13 functions), so the two-rank rows check the code paths of a
    multi-rank run, not the GPU. Every function that fails is listed with the first line of
-   its error. On the CPU dry run both use gloo and CPU tensors.
+   its error. On the CPU dry run both use gloo and CPU tensors. One of them,
+   ``nccl_rules.rank_nccl_rules``, runs the pipeline's four schedules, ring attention and
+   the experts' all-to-all inside :func:`parlib.comm.nccl_rules` against one device, and on
+   NCCL a batch of messages the rank sends itself, matched in order (skipped on gloo, which
+   cannot send to its own rank).
 """
 
 from __future__ import annotations
@@ -230,6 +234,13 @@ def _expert_traffic(world: int) -> tuple[Callable[..., Any], tuple, dict]:
     return experts.layer_traffic, (SMALL_MOE,), dict(tokens=8, capacity_factors=(None, 1.0))
 
 
+def _nccl_rules(world: int) -> tuple[Callable[..., Any], tuple, dict]:
+    from parlib.experiments import nccl_rules
+
+    # SMALL's 4 blocks: 2 chunks per rank for the interleaved schedule on up to two ranks
+    return nccl_rules.rank_nccl_rules, (SMALL, SMALL_MOE), dict(m=2)
+
+
 # Rank functions that need at least two ranks (a pipeline of one stage is refused by
 # torch.distributed.pipelining itself, whatever the device).
 NEEDS_TWO = {"torch_pipelining.rank_torch_pipelining"}
@@ -248,6 +259,7 @@ CASES: dict[str, Callable[[int], tuple[Callable[..., Any], tuple, dict]]] = {
     "context.train_split_model": _context_train,
     "experts.train_expert_parallel": _experts,
     "experts.layer_traffic": _expert_traffic,
+    "nccl_rules.rank_nccl_rules": _nccl_rules,
 }
 
 
@@ -286,7 +298,22 @@ def run_case(name: str, world: int, device: torch.device, timeout: float) -> tup
             worst = max(r["worst"] for r in rows)
             return "FAIL", f"gradients differ from one device's (largest {worst:.1e})"
         return "ok", f"{took}, gradients match one device's"
+    if fn.__name__ == "rank_nccl_rules":  # a verdict per check, on every rank
+        return _rules_verdict(results, took)
     return "ok", took
+
+
+def _rules_verdict(results: list[dict[str, str]], took: str) -> tuple[str, str]:
+    """The checks of :func:`parlib.experiments.nccl_rules.rank_nccl_rules` on every rank:
+    FAIL naming each that failed, else ok with how many passed and which were skipped."""
+    failed = sorted({f"{name}: {v[6:]}" for r in results for name, v in r.items()
+                     if v.startswith("FAIL")})
+    if failed:
+        return "FAIL", "; ".join(failed)[:300]
+    skipped = sorted({name for r in results for name, v in r.items() if v != "ok"})
+    passed = len(results[0]) - len(skipped)
+    return "ok", (f"{took}, {passed} checks under NCCL's rules equal one device"
+                  + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
 
 
 def ranks_table(rows: list[tuple[str, int, str, str, str]]) -> str:

@@ -11,13 +11,31 @@ that torch's own code (FSDP, DTensor) still triggers through the old names.
 :func:`agree` is the one set-up check the strategies share: the ranks exchange their
 settings (shapes, dtypes, counts) once, and a mismatch raises the same message on every
 rank, instead of the backend's size-mismatch abort, a hang or a silent wrong answer.
+
+Point-to-point messages follow NCCL's rules here, whatever the backend: NCCL ignores tags
+(messages between two ranks match in the order they were posted) and can deadlock on an
+unbatched send and receive to the same peer (NVIDIA/nccl issue 479). :func:`exchange` is
+the one place the strategies send and receive through: a single ``dist.batch_isend_irecv``,
+no tags. :func:`nccl_rules` holds any code to those rules on gloo, so that what passes on
+the CPU holds under NCCL: inside it (or in every process started with the environment
+variable ``PARLIB_NCCL_RULES=1``) torch.distributed's ``isend``, ``irecv``, ``send``,
+``recv`` and ``batch_isend_irecv`` drop their tags (gloo then matches by order, as NCCL
+does) and refuse, naming the peer, an unbatched send and receive to one peer that are both
+outstanding (posted and not yet waited for), and a receive from any source::
+
+    with parlib.comm.nccl_rules():
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
+                                        dist.P2POp(dist.irecv, theirs, peer)])
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import os
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -161,5 +179,155 @@ def quiet_renames() -> None:
     )
 
 
-__all__ = ["agree", "all_gather", "bookkeeping", "in_bookkeeping", "quiet_renames",
-           "rank_and_size", "reduce_scatter"]
+# --------------------------------------------------------------------------------------
+# Point-to-point messages, NCCL's way
+# --------------------------------------------------------------------------------------
+
+def exchange(sends: Sequence[tuple[torch.Tensor, int]],
+             recvs: Sequence[tuple[torch.Tensor, int]], group: Any = None) -> list[Any]:
+    """Start ``sends`` and ``recvs`` ((tensor, global rank of the peer) pairs) as one
+    ``dist.batch_isend_irecv`` over ``group`` and return its works (wait for all of them
+    before reading a received tensor or writing a sent one).
+
+    No tags: messages between two ranks match in the order they are posted, as NCCL
+    matches them, so a receiver must post its receives from a peer in the order that peer
+    posts its sends. One batch may hold a send and a receive to the same peer (NCCL runs a
+    batch as one group, where an unbatched pair can deadlock). Nothing to post: ``[]``."""
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    return list(dist.batch_isend_irecv(ops)) if ops else []
+
+
+_P2P = ("isend", "irecv", "batch_isend_irecv")  # torch's send / recv call its isend / irecv
+_c10d = dist.distributed_c10d if dist.is_available() else None
+_rules = threading.local()  # .batching: inside a batch_isend_irecv of the rules
+_outstanding: list[_Unbatched] = []  # unbatched isend / irecv not yet waited for
+_displaced: dict[str, Any] = {}  # what the rules replaced (torch's, or another wrapper)
+_depth = 0  # nccl_rules() entered (the environment variable counts as one for good)
+
+
+class _Unbatched:
+    """An unbatched isend or irecv under the rules: its work, outstanding until waited."""
+
+    def __init__(self, kind: str, peer: int, work: Any) -> None:
+        self.kind, self.peer, self.work = kind, peer, work
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.work.wait(*args, **kwargs)
+        if self in _outstanding:
+            _outstanding.remove(self)
+        return result
+
+    def __getattr__(self, name: str) -> Any:  # is_completed, exception, get_future, ...
+        return getattr(self.work, name)
+
+
+def _peer(group: Any, peer: int | None, group_peer: int | None, kind: str) -> int:
+    """The global rank of a message's peer; a receive from any source is refused."""
+    if peer is None and group_peer is None:
+        raise RuntimeError(f"rank {dist.get_rank()}: {kind} with no peer (a receive from "
+                           "any source): NCCL has no such receive; name the peer")
+    if peer is not None:
+        return peer
+    return dist.get_global_rank(group or dist.group.WORLD, group_peer)
+
+
+def _refuse_pair(kind: str, peer: int) -> None:
+    other = "irecv" if kind == "isend" else "isend"
+    if any(u.kind == other and u.peer == peer for u in _outstanding):
+        way, back = ("to", "from") if kind == "isend" else ("from", "to")
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: unbatched {kind} {way} rank {peer} while an unbatched "
+            f"{other} {back} rank {peer} is still outstanding (posted, not yet waited for). "
+            "NCCL runs the two one after the other and can deadlock on such a pair "
+            "(NVIDIA/nccl issue 479): post them together with dist.batch_isend_irecv "
+            "(parlib.comm.exchange), or wait for the first before posting the second")
+
+
+def _ruled(kind: str) -> Any:
+    """isend or irecv under the rules: the tag dropped, an unbatched pair refused."""
+    original = _displaced[kind]
+    signature = inspect.signature(original)
+    way = "dst" if kind == "isend" else "src"
+
+    @functools.wraps(original)
+    def ruled(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)
+        call.arguments["tag"] = 0  # NCCL ignores tags: messages match in posting order
+        if getattr(_rules, "batching", False):
+            return original(*call.args, **call.kwargs)
+        got = call.arguments
+        global_peer = _peer(got.get("group"), got.get(way), got.get(f"group_{way}"), kind)
+        _refuse_pair(kind, global_peer)
+        work = original(*call.args, **call.kwargs)
+        if work is None:  # this rank is not in the group
+            return None
+        tracked = _Unbatched(kind, global_peer, work)
+        _outstanding.append(tracked)
+        return tracked
+
+    return ruled
+
+
+def _ruled_batch(p2p_op_list: list[Any]) -> list[Any]:
+    """batch_isend_irecv under the rules: its ops copied with the tag dropped and ``op``
+    the rules' own isend / irecv (torch tells sends from receives by identity)."""
+    twins = []
+    for p2p_op in p2p_op_list:
+        twin = object.__new__(type(p2p_op))  # P2POp.__new__ would check the op again
+        twin.__dict__.update(vars(p2p_op))
+        kind = "isend" if getattr(p2p_op.op, "__name__", "") == "isend" else "irecv"
+        twin.op, twin.tag = getattr(_c10d, kind), 0
+        twins.append(twin)
+    _rules.batching = True
+    try:
+        return _displaced["batch_isend_irecv"](twins)
+    finally:
+        _rules.batching = False
+
+
+def _install(on: bool) -> None:
+    """Put the rules' functions in torch.distributed (on), or put back what was there."""
+    if on:
+        _displaced.update({name: getattr(_c10d, name) for name in _P2P})
+    ruled = {"isend": _ruled("isend"), "irecv": _ruled("irecv"),
+             "batch_isend_irecv": _ruled_batch}
+    for name in _P2P:
+        function = ruled[name] if on else _displaced[name]
+        setattr(_c10d, name, function)
+        setattr(dist, name, function)
+
+
+def nccl_rules_on() -> bool:
+    """Whether point-to-point messages in this process follow :func:`nccl_rules`."""
+    return _depth > 0
+
+
+@contextmanager
+def nccl_rules() -> Iterator[None]:
+    """Within: torch.distributed's point-to-point functions follow NCCL's rules on any
+    backend (tags dropped; an unbatched send and receive to one peer, both outstanding,
+    refused with an error naming the peer; a receive from any source refused). Nests;
+    ``PARLIB_NCCL_RULES=1`` in the environment turns them on for the whole process."""
+    global _depth
+    if _c10d is None:
+        raise RuntimeError("nccl_rules needs torch.distributed, which this torch lacks")
+    if _depth == 0:
+        _outstanding.clear()
+        _install(True)
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            _install(False)
+
+
+if _c10d is not None and os.environ.get("PARLIB_NCCL_RULES", "") not in ("", "0"):
+    _install(True)  # for the whole process: as if inside an nccl_rules() never left
+    _depth = 1
+
+
+__all__ = ["agree", "all_gather", "bookkeeping", "exchange", "in_bookkeeping", "nccl_rules",
+           "nccl_rules_on", "quiet_renames", "rank_and_size", "reduce_scatter"]

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parlib import comm
 from parlib.measure import CommLog, SavedActivations
 from parlib.model import ModelConfig, build_model, loss_fn, make_batch, make_optimizer
 from parlib.runtime.policy import device as this_device
@@ -102,7 +103,7 @@ def emulated_imbalance(layout: str, *, seq_len: int = 64, pair_seconds: float = 
         works, incoming = [], None
         if step < cp - 1:
             incoming = torch.empty_like(block)
-            works = [dist.isend(block, nxt, group=group), dist.irecv(incoming, prev, group=group)]
+            works = comm.exchange([(block, nxt)], [(incoming, prev)], group)
         area = sum((qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks, _ in pairs)
         work = area / unit ** 2
         began = time.perf_counter()

@@ -1,17 +1,17 @@
 """A pipeline boundary crossing, timed the way the pipeline runner pays it.
 
 The runner (:func:`parlib.strategies.pipeline.run_schedule`) sends each activation or
-gradient as a small header and then the payload (two ``dist.isend``), and posts the two
-matching ``dist.irecv`` one op ahead, so a message usually travels while its receiver still
-computes. Two times decide what that costs a step, and :func:`time_crossings` measures
-both on two ranks, interleaving the sizes over the rounds so that a busy moment hits every
-size alike:
+gradient as a small header and then the payload (two sends in one ``dist.batch_isend_irecv``,
+matched by order, no tags, as NCCL matches them), and posts the two matching receives ahead
+when it can, so a message usually travels while its receiver still computes. Two times
+decide what that costs a step, and :func:`time_crossings` measures both on two ranks,
+interleaving the sizes over the rounds so that a busy moment hits every size alike:
 
-* the **latency**: from the moment the sender's two ``isend`` return to the moment a
+* the **latency**: from the moment the sender's batch of two sends returns to the moment a
   receiver that is already waiting holds both messages. Both moments are read on the one
   clock (``time.perf_counter``) that every process of a machine reads, but that
   difference can come out negative: gloo may deliver while the sender, descheduled, has
-  not yet returned from ``isend``. So the whole crossing is timed instead, from *before*
+  not yet returned from posting. So the whole crossing is timed instead, from *before*
   the sends (it cannot be negative: no message arrives before it is sent), and the latency
   is that line less the sender's own posting time, never below zero;
 * a rank's **own time** in a message, serial with its compute: posting the two sends,
@@ -88,6 +88,11 @@ class CrossingFit:
                 f" us + {self.send_beta * 1e9:.2f} ns/B, receive {self.receive * 1e6:.0f} us")
 
 
+def _batch(op: Callable[..., Any], tensors: list[torch.Tensor], peer: int) -> list[Any]:
+    """The runner's way: one batch, no tags (the messages match in order)."""
+    return dist.batch_isend_irecv([dist.P2POp(op, t, peer) for t in tensors])
+
+
 def time_crossings(sizes_bytes: Sequence[int] = DEFAULT_SIZES, rounds: int = 20,
                    op_seconds: float = 0.012) -> dict[str, list[float]] | None:
     """On both ranks of a 2-rank group: time ``rounds`` crossings per payload size, one
@@ -126,8 +131,8 @@ def time_crossings(sizes_bytes: Sequence[int] = DEFAULT_SIZES, rounds: int = 20,
                 if rank == sender:
                     time.sleep(op_seconds)
                     t0 = time.perf_counter()
-                    works = [dist.isend(torch.zeros(3, dtype=torch.int64, device=dev), peer,
-                                        tag=0), dist.isend(payload, peer, tag=1)]
+                    works = _batch(dist.isend, [torch.zeros(3, dtype=torch.int64, device=dev),
+                                                payload], peer)
                     t1 = time.perf_counter()
                     done(works)
                     mine = [t0, t1 - t0]  # t0: a crossing cannot end before it
@@ -135,7 +140,7 @@ def time_crossings(sizes_bytes: Sequence[int] = DEFAULT_SIZES, rounds: int = 20,
                     header = torch.empty(3, dtype=torch.int64, device=dev)
                     buf = torch.empty_like(payload)
                     ta = time.perf_counter()
-                    works = [dist.irecv(header, peer, tag=0), dist.irecv(buf, peer, tag=1)]
+                    works = _batch(dist.irecv, [header, buf], peer)
                     posted = time.perf_counter() - ta
                     if sender == 1:  # rank 0 stays busy: the message is there when it waits
                         time.sleep(2 * op_seconds)

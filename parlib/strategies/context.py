@@ -7,10 +7,14 @@ them unchanged. Attention needs every key and value; two ways to get them:
   then ordinary attention of the local queries against the whole sequence. Simple; every
   rank holds all of K and V.
 - :func:`ring_attention`: each rank keeps its queries and passes K/V blocks around the
-  ring (isend to the next rank, irecv from the previous, the next block's transfer running
-  while the current block is computed), merging blockwise results with an online softmax
-  (:func:`merge_partials`). The backward sends the K/V blocks round again, with their
-  partial gradients travelling one hop behind, so each gradient reaches its owner.
+  ring (a send to the next rank and a receive from the previous, posted together as one
+  ``dist.batch_isend_irecv``, the next block's transfer running while the current block is
+  computed), merging blockwise results with an online softmax (:func:`merge_partials`).
+  The backward sends the K/V blocks round again, with their partial gradients travelling
+  one hop behind, so each gradient reaches its owner. Every exchange goes through
+  :func:`parlib.comm.exchange`: no tags (K/V blocks and gradients share the links and
+  match by order, as NCCL matches them), send and receive batched (at cp = 2 both go to
+  the same peer, a pair NCCL can deadlock on when posted apart).
 
 Which positions a rank holds is the *layout*: ``"contiguous"`` (rank r holds chunk r of
 cp) or ``"zigzag"`` (2cp chunks, rank r holds chunks r and 2cp - 1 - r, which balances
@@ -40,7 +44,6 @@ from parlib.strategies.context_ops import (
 )
 
 LAYOUTS = ("contiguous", "zigzag")
-KV_TAG, GRAD_TAG = 0, 1  # K/V blocks and their gradients travel the same links
 
 
 # --------------------------------------------------------------------------------------
@@ -111,12 +114,12 @@ class _Ring:
                 for ks, k_first, k_last in self.chunks[self.source(step)]
                 if k_first <= q_last]
 
-    def exchange(self, send: torch.Tensor,
-                 tag: int = KV_TAG) -> tuple[list[Any], torch.Tensor]:
-        """Start sending ``send`` to the next rank and receiving the previous rank's."""
+    def exchange(self, send: torch.Tensor) -> tuple[list[Any], torch.Tensor]:
+        """Start sending ``send`` to the next rank and receiving the previous rank's, as one
+        batch (wait for all its works). Every rank posts its exchanges in the same order,
+        so each message meets its receive by order alone."""
         recv = torch.empty_like(send)
-        works = [dist.isend(send, self.next, group=self.group, tag=tag),
-                 dist.irecv(recv, self.prev, group=self.group, tag=tag)]
+        works = comm.exchange([(send, self.next)], [(recv, self.prev)], self.group)
         return works, recv
 
 
@@ -170,8 +173,7 @@ class RingAttention(Function):
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v]).contiguous()
         mine = torch.zeros_like(kv)  # this rank's share of its own block's gradient
-        pending = None  # (work, tensor): this step's block's gradient from the ranks before
-        grad_sends = []
+        pending: tuple[list[Any], torch.Tensor] | None = None  # (works, gradient) in transit
         for step in range(ring.cp):
             works, incoming = ring.exchange(kv) if step < ring.cp - 1 else ([], None)
             partial = torch.zeros_like(kv)  # (2, b, a, s/cp, d): dK, dV of the held block
@@ -186,21 +188,22 @@ class RingAttention(Function):
                 mine = partial
             else:
                 if pending is not None:
-                    pending[0].wait()
-                    partial = partial + pending[1]
+                    partial = partial + _arrived(*pending)
                 # one hop behind the K/V: the next rank gets this block at the next step
-                grad_works, arriving = ring.exchange(partial.contiguous(), tag=GRAD_TAG)
-                grad_sends.append(grad_works[0])
-                pending = (grad_works[1], arriving)
+                pending = ring.exchange(partial.contiguous())
             for w in works:
                 w.wait()
             kv = incoming
-        for w in grad_sends:
-            w.wait()
         if pending is not None:  # after cp - 1 hops the own block's gradient comes home
-            pending[0].wait()
-            mine = mine + pending[1]
+            mine = mine + _arrived(*pending)
         return dq, mine[0], mine[1], None, None, None
+
+
+def _arrived(works: list[Any], tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` once its exchange (the send beside its receive included) is done."""
+    for w in works:
+        w.wait()
+    return tensor
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *,

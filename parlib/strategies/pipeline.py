@@ -17,17 +17,20 @@ The neighbours are global ranks carried by the stage (``stage.prev_rank`` /
   uses it to record a timeline, count bytes and saved activations, and pad compute to an
   emulated cost); without one the step is plain torch.
 
-Messages: sends use ``dist.isend`` (waited for at the end of the step) and receives
-``dist.irecv``, posted one op ahead so that a message travels while its receiver still
-computes (posted only when needed, each receive waits a round trip to its sender, even for
-a message sent long before) and waited for in the order the schedule gives. With a
-blocking ``dist.send`` 1F1B can deadlock: a rank sending its next activation and its
-neighbour sending a gradient back both wait for a recv that comes after the other's send
-(gloo blocks on large messages: measured with 16 MB both ways here). Every payload
-follows a small header (kind, microbatch, chunk): two neighbours whose schedules order the
-microbatches differently would otherwise pair one microbatch's activation with another's
-and train on the mix without a word; the header turns that into an error naming both. The
-header's chunk is the receiver's (the chunk whose op consumes the payload).
+Messages follow NCCL's rules (:class:`_Mailbox`): an op's sends and the next op's
+receive are posted together as one ``dist.batch_isend_irecv``, never as separate
+``isend`` and ``irecv`` to one peer (NCCL can deadlock on that pair), and messages match
+by the order they were posted, never by tag (NCCL ignores tags). The next op's receive is
+posted ahead, so that its message travels while this op computes, when this op sends
+nothing; otherwise it joins this op's sends after the compute (NCCL runs one rank's
+batches in order, so a receive posted ahead would hold back a send its sender may be
+waiting for: GPipe with m = 1 can deadlock so). With a blocking ``dist.send`` 1F1B can
+deadlock: a rank sending its next activation and its neighbour sending a gradient back
+both wait for a recv that comes after the other's send; batched, the two meet. Every
+payload follows a small header (kind, microbatch, chunk): two neighbours whose schedules
+order the microbatches differently would otherwise pair one microbatch's activation with
+another's and train on the mix without a word; the header turns that into an error
+naming both. The header's chunk is the receiver's (the chunk whose op consumes the payload).
 
 Split backward (a schedule with W ops): B computes only the gradient of the stage's input
 and sends it (the previous stage waits for it); W computes the weights' gradients later.
@@ -51,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parlib import comm
 from parlib.comm import agree, rank_and_size
 from parlib.model import ModelConfig, TinyGPT, build_model, loss_fn
 from parlib.strategies.schedule_check import ScheduleError, validate
@@ -274,8 +278,72 @@ class PipelineHooks:
 
 
 _KIND_CODE = {FORWARD: 0, BACKWARD: 1}  # header: which way the payload travels
-_HEADER_TAG, _PAYLOAD_TAG = 0, 1  # own tags: a header never pairs with a payload
 _WHAT = {FORWARD: "activation", BACKWARD: "gradient"}
+
+
+class _Mailbox:
+    """One rank's messages in :func:`run_schedule`, as NCCL takes them.
+
+    Each op's sends (a header, then its payload) and the next op's receive (the same two)
+    are posted together, one ``dist.batch_isend_irecv`` (:func:`parlib.comm.exchange`), and
+    match by order, never by tag. A receive is waited for when its op runs, the sends at
+    the end of the step. One rank holding every chunk (p = 1) sends to itself: a queue, in
+    order.
+
+    Not covered by :func:`parlib.comm.nccl_rules`: NCCL gives a batch one work, so waiting
+    for a receive also waits for the sends beside it, and runs a rank's batches in order.
+    Where a send waits for its receiver (messages beyond NCCL's buffers) that ties the two
+    ranks closer than gloo does. Emulated on gloo (each batch waited for whole, in
+    order), GPipe, 1F1B and ZB-H1 on 2 and 4 ranks and the interleaved order on 4 ran;
+    the interleaved order on 2 ranks, whose two neighbours are one rank, deadlocked."""
+
+    def __init__(self, device: torch.device, shape: tuple[int, ...], alone: bool) -> None:
+        self.device, self.shape, self.alone = device, shape, alone
+        self.outbox: list[tuple[torch.Tensor, int]] = []  # sends not yet posted
+        self.batches: list[tuple[list[Any], list[torch.Tensor]]] = []  # send works, tensors
+        self.posted: dict[int, tuple[torch.Tensor, torch.Tensor, list[Any]]] = {}
+        self.to_self: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+
+    def send(self, header: torch.Tensor, payload: torch.Tensor, dst: int) -> None:
+        """Queue a message for the next :meth:`post`."""
+        if self.alone:
+            self.to_self.append((header, payload.clone()))
+        else:
+            self.outbox += [(header, dst), (payload, dst)]
+
+    def post(self, index: int, src: int | None) -> None:
+        """Post the queued sends and, from ``src`` (None: no message), op ``index``'s
+        receive unless it is posted already, as one batch."""
+        recvs = []
+        if src is not None and not self.alone and index not in self.posted:
+            header = torch.empty(3, dtype=torch.int64, device=self.device)
+            recvs = [(header, src), (torch.empty(self.shape, device=self.device), src)]
+        if not (self.outbox or recvs):
+            return
+        works = comm.exchange(self.outbox, recvs)
+        # gloo: a work per message, the receives last; NCCL: one for the whole batch. Each
+        # is waited for once (gloo never returns from a second wait on a receive).
+        split = len(self.outbox) if len(works) == len(self.outbox) + len(recvs) else 0
+        sends, own = (works[:split], works[split:]) if recvs else (works, [])
+        self.batches.append((sends, [t for t, _ in self.outbox + recvs]))  # kept alive
+        if recvs:
+            self.posted[index] = (recvs[0][0], recvs[1][0], own)
+        self.outbox = []
+
+    def take(self, index: int, op: Op) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+        """(header, payload, the works to wait for) of op ``index``'s message."""
+        if self.alone:
+            if not self.to_self:
+                raise RuntimeError(f"op {op!r} waits for a message this rank never sent "
+                                   f"itself (a deadlock: validate the schedule)")
+            return (*self.to_self.popleft(), [])
+        return self.posted.pop(index)
+
+    def finish(self) -> None:
+        """Wait for every send (each receive was waited for by its op)."""
+        for works, _ in self.batches:
+            for work in works:
+                work.wait()
 
 
 def _chunks_of(stage: Stage | ChunkedStage | Sequence[Stage]) -> list[Stage]:
@@ -381,23 +449,17 @@ def run_schedule(
     inputs: dict[tuple[int, int], torch.Tensor] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
-    pending: list[tuple[Any, torch.Tensor]] = []  # isend works and the tensors they read
     loss_total = 0.0
     last_here = any(c.is_last for c in chunks)
+    mail = _Mailbox(device, shape, alone=p_ranks == 1)
 
-    # One rank holding every chunk (p = 1) sends to itself: a queue in order, as gloo would.
-    to_self: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
-    alone = p_ranks == 1
-
-    def send(t: torch.Tensor, dst: int, op: Op, dst_chunk: int) -> None:
+    def send(t: torch.Tensor, dst: int, op: Op, dst_chunk: int, index: int) -> None:
+        """Post op ``index``'s output with the next op's receive (see :class:`_Mailbox`)."""
         t = t.detach().contiguous()
         header = torch.tensor([_KIND_CODE[op.kind], op.mb, dst_chunk], device=device)
         with hooks.message("send", dst, t, op.mb):
-            if alone:
-                to_self.append((header, t.clone()))
-                return
-            pending.append((dist.isend(header, dst, tag=_HEADER_TAG), header))
-            pending.append((dist.isend(t, dst, tag=_PAYLOAD_TAG), t))
+            mail.send(header, t, dst)
+            post(index + 1)
 
     def source(op: Op) -> int | None:
         """The rank whose message op needs before it can run (None: no message)."""
@@ -408,36 +470,22 @@ def run_schedule(
             return st.next_rank
         return None
 
-    # Receives are posted one op ahead: the next op's input travels while this op computes.
-    posted: dict[int, tuple[torch.Tensor, torch.Tensor, Any, Any]] = {}
+    def sends(op: Op) -> bool:
+        st = chunks[op.chunk]
+        return op.kind == FORWARD and not st.is_last or op.kind == BACKWARD and not st.is_first
 
     def post(index: int) -> None:
-        if alone or index >= len(ops) or index in posted:
-            return
-        src = source(ops[index])
-        if src is None:
-            return
-        header = torch.empty(3, dtype=torch.int64, device=device)
-        buf = torch.empty(shape, device=device)
-        posted[index] = (header, buf, dist.irecv(header, src, tag=_HEADER_TAG),
-                         dist.irecv(buf, src, tag=_PAYLOAD_TAG))
+        mail.post(index, source(ops[index]) if index < len(ops) else None)
 
     def recv(index: int, op: Op, st: Stage) -> torch.Tensor:
         src = source(op)
         assert src is not None
-        if alone:
-            if not to_self:
-                raise RuntimeError(f"op {op!r} waits for a message this rank never sent "
-                                   f"itself (a deadlock: validate the schedule)")
-            header, buf = to_self.popleft()
-            with hooks.message("recv", src, buf, op.mb):
-                check(header, src, op, st)
-            return buf
-        header, buf, header_work, payload_work = posted.pop(index)
+        post(index)  # posted already (ahead, or with the last op's sends): nothing to do
+        header, buf, works = mail.take(index, op)
         with hooks.message("recv", src, buf, op.mb):
-            header_work.wait()
+            for work in works:
+                work.wait()
             check(header, src, op, st)
-            payload_work.wait()
         return buf
 
     def check(header: torch.Tensor, src: int, op: Op, st: Stage) -> None:
@@ -456,7 +504,8 @@ def run_schedule(
 
     post(0)
     for index, op in enumerate(ops):
-        post(index + 1)  # the next op's input travels while this op computes
+        if not sends(op):  # the next op's input travels while this op computes (NCCL would
+            post(index + 1)  # hold this op's sends behind it: with them, after it, if any)
         i, st = op.mb, chunks[op.chunk]
         key = (op.mb, op.chunk)
         rows = xs[i].shape[0]
@@ -470,7 +519,7 @@ def run_schedule(
             if st.is_last:
                 loss_total += y.item()
             else:
-                send(y, st.next_rank, op, (st.rank + 1) // p_ranks)
+                send(y, st.next_rank, op, (st.rank + 1) // p_ranks, index)
         elif op.kind == BACKWARD:
             if key not in outputs:
                 raise RuntimeError(f"op {op!r}: its forward has not run on this rank")
@@ -480,7 +529,7 @@ def run_schedule(
                     torch.autograd.backward(outputs.pop(key), grad)
                 x = inputs.pop(key)
                 if not st.is_first:
-                    send(x.grad, st.prev_rank, op, (st.rank - 1) // p_ranks)
+                    send(x.grad, st.prev_rank, op, (st.rank - 1) // p_ranks, index)
                 continue
             # Split: B follows only the path to the input (autograd skips the weights'
             # products) and keeps the graph for W, which walks it again to the weights and
@@ -493,7 +542,7 @@ def run_schedule(
                     out, [x], grad, retain_graph=True)[0]
             weight_work[key] = (out, grad)
             if gx is not None:
-                send(gx, st.prev_rank, op, (st.rank - 1) // p_ranks)
+                send(gx, st.prev_rank, op, (st.rank - 1) // p_ranks, index)
         else:  # WEIGHT
             if key not in weight_work:
                 raise RuntimeError(f"op {op!r}: its backward B{op.mb} has not run on this rank")
@@ -502,8 +551,7 @@ def run_schedule(
             params = [prm for prm in st.parameters() if prm.requires_grad]
             with hooks.compute_op(op, rows):
                 torch.autograd.backward(out, grad, inputs=params)  # frees the graph
-    for work, _ in pending:
-        work.wait()
+    mail.finish()
     if outputs:
         raise RuntimeError(f"schedule ended with (microbatch, chunk) {sorted(outputs)} never "
                            f"run backward")

@@ -345,6 +345,18 @@ def test_ring_accepts_worked_answer():
     assert r.passed, r
 
 
+def test_ring_accepts_a_batched_answer():
+    # NCCL's way (one batch_isend_irecv, the pair cannot deadlock) is as right as isend/irecv
+    batched = _ring("""            works = [dist.isend(kv, send_to, group=group),
+                     dist.irecv(incoming, recv_from, group=group)]""",
+                    """            works = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, kv, send_to, group=group),
+                dist.P2POp(dist.irecv, incoming, recv_from, group=group)])""")
+    assert "batch_isend_irecv" in batched
+    r = check("05.ring_forward", learner(batched, "ring_attention_forward", RING_PRELUDE))
+    assert r.passed, r
+
+
 @pytest.mark.parametrize("mutant", sorted(RING_MUTANTS))
 def test_ring_rejects_mutant_with_its_diagnosis(mutant):
     src, hint, diagnosis = RING_MUTANTS[mutant]

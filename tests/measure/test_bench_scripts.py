@@ -40,6 +40,20 @@ def test_gpu_script_lists_a_failing_rank_function(monkeypatch):
     assert status == "ok" and "gradients match" in detail, detail
 
 
+def test_gpu_script_runs_the_strategies_under_nccl_rules():
+    gpu = _load("gpu")
+    status, detail = gpu.run_case("nccl_rules.rank_nccl_rules", 2, gpu.torch.device("cpu"),
+                                  timeout=120)
+    # 4 schedules, 2 ring layouts, the experts; the exchange to itself needs NCCL
+    assert status == "ok" and "7 checks under NCCL's rules" in detail, detail
+    assert "skipped: exchange to self" in detail
+    ranks = [{"ring zigzag": "ok", "experts all-to-all": "ok"},
+             {"ring zigzag": "FAIL: output or gradients: 1 of 4 differ",
+              "experts all-to-all": "ok"}]
+    status, detail = gpu._rules_verdict(ranks, "1 s")
+    assert (status, detail) == ("FAIL", "ring zigzag: output or gradients: 1 of 4 differ")
+
+
 @pytest.mark.slow
 def test_gpu_script_full_dry_run_passes_on_cpu(capsys):
     gpu = _load("gpu")

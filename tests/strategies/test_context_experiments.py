@@ -49,8 +49,8 @@ def _results(cp):
 def test_attention_check_compares_and_records_the_ring(cp):
     for r in _results(cp):
         assert r["ring"]["check"] and r["all_gather"]["check"]
-        sent = sum(n for op, n, _ in r["ring"]["forward"] + r["ring"]["backward"]
-                   if op == "send")
+        sent = sum(sent for op, _, sent in r["ring"]["forward"] + r["ring"]["backward"]
+                   if op == "batch_isend_irecv")  # one batch per exchange
         assert sent == ring_attention_sent_bytes_per_layer(2, 16, 2 * 8, cp)
         assert [op for op, *_ in r["all_gather"]["forward"]] == ["all_gather"]
         assert r["bad"].startswith("kind must be one of")

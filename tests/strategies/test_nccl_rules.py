@@ -1,0 +1,184 @@
+"""NCCL's point-to-point rules on the CPU (parlib.comm.nccl_rules): tags dropped, so gloo
+matches messages by order as NCCL does, and an unbatched send and receive to one peer
+refused. The rules catch the patterns NCCL does not honour, and the pipeline (all four
+schedules), ring attention (both layouts, forward and backward) and the experts'
+all-to-all run under them equal to one device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parlib
+from parlib import comm, verify
+from parlib.experiments import pipeline as runs
+from parlib.strategies.context import LAYOUTS
+from tests.strategies.test_context import _attention_vs_single
+from tests.strategies.test_experts import FACTORS, _layer_vs_single
+from tests.strategies.test_pipeline import CFG8, EVERY_SCHEDULE
+
+# ---- the rules catch what NCCL does not honour
+
+
+def _old_patterns() -> dict[str, object]:
+    """On two ranks: the patterns the rules refuse or change, and what still runs."""
+    rank = dist.get_rank()
+    peer = 1 - rank
+    out: dict[str, object] = {}
+    mine, theirs = torch.full((4,), float(rank)), torch.empty(4)
+    with comm.nccl_rules():
+        send = dist.isend(mine, peer)  # unbatched, and not yet waited for
+        try:
+            dist.irecv(theirs, peer)
+        except RuntimeError as err:
+            out["pair"] = str(err)
+    dist.recv(theirs, peer)  # outside the rules: receive the message sent above
+    send.wait()
+    out["pair_received"] = theirs.tolist()
+    with comm.nccl_rules():
+        out["tags"] = _swapped_tags(rank)
+        try:
+            dist.recv(theirs)
+        except RuntimeError as err:
+            out["any_source"] = str(err)
+        out["blocking"] = _blocking_ring(rank, peer)  # send, then recv: one at a time
+        works = comm.exchange([(mine, peer)], [(theirs, peer)])
+        for work in works:
+            work.wait()
+        out["batched"] = theirs.tolist()
+    out["tags_without_rules"] = _swapped_tags(rank)
+    out["docstring"] = _docstring_example(peer)
+    return out
+
+
+def _docstring_example(peer: int) -> list[float]:
+    """The example of parlib.comm's docstring, run as written."""
+    code = textwrap.dedent(comm.__doc__.split("::\n", 1)[1])
+    mine, theirs = torch.full((2,), float(dist.get_rank())), torch.empty(2)
+    scope = {"dist": dist, "parlib": parlib, "mine": mine, "theirs": theirs, "peer": peer}
+    exec(code, scope)
+    for work in scope["works"]:
+        work.wait()
+    return theirs.tolist()
+
+
+def _swapped_tags(rank: int) -> list[float] | None:
+    """Rank 0 sends 1 (tag 7) then 2 (tag 8); rank 1 posts the tag-8 receive first. Gloo
+    pairs them by tag; NCCL (and the rules) by order, swapping them."""
+    if rank == 0:
+        works = [dist.isend(torch.ones(2), 1, tag=7), dist.isend(torch.full((2,), 2.0), 1,
+                                                                 tag=8)]
+    else:
+        first, second = torch.empty(2), torch.empty(2)
+        works = [dist.irecv(second, 0, tag=8), dist.irecv(first, 0, tag=7)]
+    for work in works:
+        work.wait()
+    return None if rank == 0 else [first[0].item(), second[0].item()]
+
+
+def _blocking_ring(rank: int, peer: int) -> float:
+    t = torch.full((2,), float(rank))
+    got = torch.empty(2)
+    if rank == 0:
+        dist.send(t, peer)
+        dist.recv(got, peer)
+    else:
+        dist.recv(got, peer)
+        dist.send(t, peer)
+    return got[0].item()
+
+
+@functools.lru_cache(maxsize=None)
+def _patterns():
+    return parlib.launch(_old_patterns, world_size=2, timeout=60)
+
+
+def test_an_unbatched_send_and_receive_to_one_peer_are_refused_naming_it():
+    for rank, out in enumerate(_patterns()):
+        assert out["pair"].startswith(f"rank {rank}: unbatched irecv from rank {1 - rank} "
+                                      f"while an unbatched isend to rank {1 - rank} is still "
+                                      "outstanding"), out["pair"]
+        assert "batch_isend_irecv" in out["pair"]
+        assert out["pair_received"] == [float(1 - rank)] * 4
+
+
+def test_tags_are_dropped_so_messages_match_by_order():
+    results = _patterns()
+    assert results[1]["tags_without_rules"] == [1.0, 2.0]  # gloo: by tag
+    assert results[1]["tags"] == [2.0, 1.0]  # NCCL's way: by order, the tags ignored
+
+
+def test_what_nccl_honours_still_runs_under_the_rules():
+    for rank, out in enumerate(_patterns()):
+        assert "from any source" in out["any_source"]
+        assert out["blocking"] == float(1 - rank)
+        assert out["batched"] == [float(1 - rank)] * 4
+        assert out["docstring"] == [float(1 - rank)] * 2
+
+
+def test_the_rules_put_torch_back_and_nest():
+    before = (dist.isend, dist.irecv, dist.batch_isend_irecv)
+    with comm.nccl_rules():
+        assert comm.nccl_rules_on() and dist.isend is not before[0]
+        with comm.nccl_rules():
+            pass
+        assert comm.nccl_rules_on()
+    assert not comm.nccl_rules_on()
+    assert (dist.isend, dist.irecv, dist.batch_isend_irecv) == before
+    assert dist.distributed_c10d.isend is before[0]
+
+
+def test_the_environment_variable_turns_the_rules_on_for_a_process():
+    code = "import parlib.comm as c; print(c.nccl_rules_on())"
+    for value, want in (("1", "True"), ("0", "False")):
+        env = {**os.environ, "PARLIB_NCCL_RULES": value}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True)
+        assert run.stdout.strip() == want
+
+
+# ---- the strategies under the rules equal one device
+
+
+def _schedules_under_rules():
+    from tests.helpers.pipeline_ranks import schedules_on_ranks
+
+    with comm.nccl_rules():
+        return schedules_on_ranks(CFG8, EVERY_SCHEDULE)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_pipeline_schedule_under_the_rules_equals_one_device(p):
+    res = parlib.launch(_schedules_under_rules, world_size=p, timeout=120)
+    ref = verify.reference_step(CFG8, seed=0, batch_size=8)
+    for k, (name, _, v) in enumerate(EVERY_SCHEDULE):
+        assert res[-1][k]["loss"] == pytest.approx(ref["loss"], rel=1e-5), name
+        same = verify.compare(runs.gather_grads([r[k] for r in res]), ref["grads"])
+        assert same, (name, v, same)
+
+
+def _ring_and_experts_under_rules():
+    torch.set_num_threads(1)
+    with comm.nccl_rules():
+        ring = {(causal, layout): _attention_vs_single(causal, layout, "ring")[0]
+                for causal in (True, False) for layout in LAYOUTS}
+        experts = {cf: _layer_vs_single(cf) for cf in FACTORS}
+    return ring, experts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_and_experts_under_the_rules_equal_one_device(world):
+    for rank, (ring, experts) in enumerate(
+            parlib.launch(_ring_and_experts_under_rules, world_size=world, timeout=240)):
+        for (causal, layout), result in ring.items():  # out, dq, dk, dv: both directions
+            assert result, f"rank {rank} of {world}, causal={causal}, {layout}: {result}"
+        for cf, got in experts.items():
+            assert got["out"] and got["grads"] and got["routing"], (rank, cf)
