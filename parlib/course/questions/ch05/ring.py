@@ -43,8 +43,9 @@ def ring_attention_forward(q, k, v, group, causal):
     for step in range(cp):
         if step < cp - 1:                    # start passing the block on...
             incoming = torch.empty_like(kv)
-            works = [dist.isend(kv, send_to, group=group),
-                     dist.irecv(incoming, recv_from, group=group)]
+            works = dist.batch_isend_irecv([      # posted together: NCCL's way
+                dist.P2POp(dist.isend, kv, send_to, group=group),
+                dist.P2POp(dist.irecv, incoming, recv_from, group=group)])
         source = (rank - step) % cp          # ...while computing with it: whose block it is
         k_pos = torch.arange(source * size, (source + 1) * size)
         part = block_attention(q, kv[0], kv[1], q_pos if causal else None,
@@ -385,8 +386,9 @@ QUESTION = register(RankExercise(
         (b, heads, s/cp, head_dim) are this rank's chunk r of the sequence (contiguous:
         positions r x s/cp to (r + 1) x s/cp - 1) in the cp ranks of `group`. Return the
         attention of this rank's queries over the whole sequence, causal (key j visible to
-        query i when j <= i) or not. Pass the K/V blocks round the ring with dist.isend /
-        dist.irecv (to the next rank, from the previous one), and merge each block's
+        query i when j <= i) or not. Pass the K/V blocks round the ring, a send to the next
+        rank and a receive from the previous one posted together (dist.batch_isend_irecv),
+        and merge each block's
         partial result with parlib's block_attention and merge_partials (or your merge from
         question 05.merge_partials). Checked on 2 and 4 ranks (batch 2, 2 heads), causal
         and not, against single-device attention, then on two cp groups of 2 inside a
@@ -400,8 +402,11 @@ QUESTION = register(RankExercise(
         has seen all cp blocks; the last one arrives after the last send, so the loop runs
         cp times and sends only cp - 1 times.
 
-        Start the transfer of the held block (isend/irecv), compute with it while it
-        travels, then wait: the transfer hides behind the block's attention.
+        Start the transfer of the held block (its send and the receive of the next, one
+        dist.batch_isend_irecv), compute with it while it travels, then wait: the transfer
+        hides behind the block's attention. Posting the pair as one batch is what NCCL
+        needs: at cp = 2 both go to the same peer, and NCCL can deadlock on a separate send
+        and receive to one peer (gloo also accepts dist.isend and dist.irecv posted apart).
 
         The causal mask compares global positions: the held block's keys are positions
         source x s/cp onwards, source = (r - j) mod cp. block_attention gives each block's
