@@ -1,0 +1,286 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): save the course's sharded
+states where every rank writes only its own shard, load them on any number of ranks.
+
+    save_checkpoint(path, fsdp, opt, extra={"step": step})   # every rank, together
+    ...                                                       # later, on 2 ranks or on 8:
+    extra = load_checkpoint(path, fsdp, opt)                  # every rank, together
+
+What a checkpoint holds: the model's parameters and buffers (``model.<name>``), the
+optimizer's state (``optim.<name>.exp_avg``, ``.step``, ...; its hyperparameters in
+``optim.param_groups``) and ``extra``, small values equal on every rank (the step, the data
+position) under ``extra.<key>``, each saved whole (DCP's flattening of nested dicts is off).
+Gradients are not saved: the next step recomputes them.
+
+**How each shard is described to DCP, and why that way.** Every sharded state in the course
+splits a flat vector the same way: ``parlib.FSDP`` each trainable parameter, flattened;
+``Zero1`` and ``Zero2`` the concatenation of their parameters (one ``FlatShard`` per group);
+with S = ceil(numel / N), rank r holds elements [r x S, (r + 1) x S), padded with zeros past
+the end, so the last ranks hold fewer real elements, or none. That is exactly the split of a
+``DTensor`` sharded on dimension 0 over a 1-D mesh of the N ranks (``torch.chunk``'s rule).
+So each shard is given to DCP as ``DTensor.from_local(shard[:real], mesh, [Shard(0)],
+shape=(numel,))``: a view of the live tensor, no copy, nothing communicated, and DCP's own
+planners record which rank holds which slice and, at load, read for each rank the slices its
+new shard needs from whichever files hold them: resharding for free. The alternatives are
+more code: ``ShardedTensor`` is deprecated in favour of DTensor, and a custom planner would
+rewrite what DCP's default one does. Tensors held whole (a plain model, the weights under
+``Zero1``, FSDP's replicated and frozen parameters, buffers, Adam's step) are plain tensors:
+DCP writes one copy of each.
+
+Every tensor is saved **flat**, under the unwrapped model's parameter names, so the same
+checkpoint loads into a plain model with a plain optimizer, ``DataParallel`` or ``FSDP`` at
+any world size. ``Zero1``'s and ``Zero2``'s optimizer state is keyed by flat vector
+(``optim.flat<i>.exp_avg``): it reshards across world sizes of the same strategy.
+
+``group``: the ranks that save (and load) the checkpoint together; DCP's collectives run on
+it (for ``async_save_checkpoint``, give it a group of its own, so that the background save
+never interleaves with training's collectives). The shards' mesh is each strategy's own
+group.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from parlib.strategies.data_parallel import DataParallel
+from parlib.strategies.fsdp import FSDP
+from parlib.strategies.zero import FlatShard
+
+MODEL, OPTIM, EXTRA = "model.", "optim.", "extra."
+HYPERPARAMETERS = OPTIM + "param_groups"
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """How one rank's tensor maps onto a global flat vector of ``numel`` elements: whole
+    (``mesh`` None) or piece ``mesh.get_local_rank()`` of ``mesh.size()``, padded to
+    S = ceil(numel / N) elements."""
+
+    numel: int
+    mesh: DeviceMesh | None = None
+
+    def view(self, local: torch.Tensor) -> torch.Tensor:
+        """What DCP saves from and loads into: a flat view of ``local`` (its real elements,
+        as a DTensor when sharded), sharing its storage."""
+        try:
+            flat = local.detach().view(-1)
+        except RuntimeError as err:
+            raise ValueError(f"checkpoint: a tensor of shape {tuple(local.shape)} is not "
+                             "contiguous; DCP loads into a flat view of it") from err
+        if self.mesh is None:
+            return flat
+        size = math.ceil(self.numel / self.mesh.size())
+        real = max(0, min(size, self.numel - self.mesh.get_local_rank() * size))
+        return DTensor.from_local(flat[:real], self.mesh, [Shard(0)], run_check=False,
+                                  shape=(self.numel,), stride=(1,))
+
+
+class SavedObject:
+    """A value that is not a tensor (the hyperparameters, ``extra``), saved whole by DCP.
+    DCP restores only tensors in place; anything else it hands to ``load_state_dict`` of an
+    object that has one (a ``Stateful``), as this box."""
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = state["value"]
+
+
+def _mesh(group: Any, device: torch.device) -> DeviceMesh:
+    return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, device.type)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DataParallel) else model
+
+
+def model_pieces(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, FlatPiece]]:
+    """(name, the tensor this rank holds, its piece) for every parameter and buffer, under
+    the unwrapped model's names: FSDP's trainable shards sharded, everything else whole."""
+    model = _unwrap(model)
+    sharded: set[int] = set()
+    if isinstance(model, FSDP):
+        mesh = None
+        for unit in model.units:
+            prefix = next(n for n, m in model.module.named_modules() if m is unit.module)
+            for name, shard, numel in zip(unit.names, unit.shards, unit.numels):
+                mesh = mesh or _mesh(model.group, shard.device)
+                sharded.add(id(shard))
+                yield f"{prefix}.{name}" if prefix else name, shard, FlatPiece(numel, mesh)
+        model = model.module
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if id(t) not in sharded:
+            yield name, t, FlatPiece(t.numel())
+
+
+def _optimizer_pieces(optimizer: Any, model: nn.Module
+                      ) -> list[tuple[str, torch.Tensor, FlatPiece]]:
+    """(key prefix, the tensor the optimizer steps, its piece), one per stepped tensor."""
+    shards = getattr(optimizer, "shards", None)
+    if shards is not None and all(isinstance(s, FlatShard) for s in shards):  # Zero1, Zero2
+        mesh = _mesh(optimizer.group, shards[0].tensor.device) if shards else None
+        return [(f"flat{i}", s.tensor, FlatPiece(sum(p.numel() for p in s.params), mesh))
+                for i, s in enumerate(shards)]
+    by_id = {id(t): (name, t, piece) for name, t, piece in model_pieces(model)}
+    found = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise ValueError(f"checkpoint: the optimizer steps a tensor of shape "
+                                 f"{tuple(p.shape)} that is not a parameter of the "
+                                 f"{type(model).__name__} given with it")
+            found.append(by_id[id(p)])
+    return found
+
+
+def _hyperparameter_owner(optimizer: Any) -> Any:
+    """Whose param_groups hold the hyperparameters: Zero2's inner optimizer, else its own."""
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The optimizer whose ``state`` is keyed by the stepped tensors."""
+    return getattr(optimizer, "optimizer", None) if hasattr(optimizer, "shards") else optimizer
+
+
+def optimizer_state(optimizer: Any, model: nn.Module) -> dict[str, Any]:
+    """The optimizer's part of :func:`checkpoint_state`: every state tensor shaped like its
+    parameter described as the parameter is, scalars (Adam's step) whole, and the
+    hyperparameters of each group."""
+    inner = _inner(optimizer)
+    state: dict[str, Any] = {}
+    for key, p, piece in _optimizer_pieces(optimizer, model):
+        for name, value in ({} if inner is None else inner.state.get(p, {})).items():
+            if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                state[f"{OPTIM}{key}.{name}"] = piece.view(value)
+            elif isinstance(value, torch.Tensor) and value.dim() == 0:
+                state[f"{OPTIM}{key}.{name}"] = value
+            else:
+                raise ValueError(f"checkpoint: optimizer state {key}.{name} is neither shaped "
+                                 "like its parameter nor a scalar; it cannot be resharded")
+    state[HYPERPARAMETERS] = SavedObject([{k: v for k, v in g.items() if k != "params"}
+                                          for g in _hyperparameter_owner(optimizer).param_groups])
+    return state
+
+
+def checkpoint_state(model: nn.Module, optimizer: Any = None,
+                     extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The flat dict DCP saves and loads in place: ``model.<name>``, ``optim.<...>`` and
+    ``extra.<key>`` (see the module docstring). Its tensors share storage with the model's
+    and the optimizer's, so ``dcp.load`` into it restores them."""
+    state = {MODEL + name: piece.view(t) for name, t, piece in model_pieces(model)}
+    if optimizer is not None:
+        state.update(optimizer_state(optimizer, model))
+    state.update({EXTRA + k: v if isinstance(v, torch.Tensor) else SavedObject(v)
+                  for k, v in (extra or {}).items()})
+    return state
+
+
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
+                    extra: Mapping[str, Any] | None = None, group: Any = None) -> None:
+    """Every rank of ``group`` writes its shards of ``model`` and ``optimizer`` (and one copy
+    of what is held whole) into the folder ``path``; returns when all are written."""
+    dcp.save(checkpoint_state(model, optimizer, extra), checkpoint_id=path,
+             process_group=group, planner=DefaultSavePlanner(flatten_state_dict=False))
+
+
+def async_save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = None,
+                          *, extra: Mapping[str, Any] | None = None,
+                          group: Any = None) -> Future:
+    """:func:`save_checkpoint` in the background (``dcp.async_save``): returns once the
+    state is copied to a staging buffer, so training may change the weights; ``.result()``
+    on the returned future waits until it is on disk. Give it a ``group`` of its own."""
+    return dcp.async_save(checkpoint_state(model, optimizer, extra), checkpoint_id=path,
+                          process_group=group,
+                          planner=DefaultSavePlanner(flatten_state_dict=False))
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
+                    group: Any = None) -> dict[str, Any]:
+    """Load the checkpoint in ``path`` into ``model`` and ``optimizer`` in place, on any
+    world size (each rank reads the slices of its shards); returns the saved ``extra``."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    if optimizer is not None:
+        _create_optimizer_state(optimizer, model, metadata)
+    extra = {k[len(EXTRA):]: None for k in metadata.state_dict_metadata if k.startswith(EXTRA)}
+    state = checkpoint_state(model, optimizer, extra)
+    _check_keys(state, metadata, path)
+    dcp.load(state, checkpoint_id=path, process_group=group,
+             planner=DefaultLoadPlanner(flatten_state_dict=False,
+                                        flatten_sharded_tensors=False))
+    if optimizer is not None:
+        owner, saved_groups = _hyperparameter_owner(optimizer), state[HYPERPARAMETERS].value
+        if len(saved_groups) != len(owner.param_groups):
+            raise ValueError(f"load_checkpoint: {path} has {len(saved_groups)} parameter "
+                             f"groups, this optimizer {len(owner.param_groups)}")
+        for group_now, saved in zip(owner.param_groups, saved_groups):
+            group_now.update(saved)
+    for shard in getattr(optimizer, "shards", None) or []:
+        shard.read_params()  # Zero2 steps its shard copy: it must see the loaded weights
+    return {k[len(EXTRA):]: v.value if isinstance(v, SavedObject) else v
+            for k, v in state.items() if k.startswith(EXTRA)}
+
+
+@torch.no_grad()
+def _create_optimizer_state(optimizer: Any, model: nn.Module, metadata: Metadata) -> None:
+    """Give a fresh optimizer (no step taken: no state yet) the state tensors the checkpoint
+    has, zeros of the right shape, for DCP to load into."""
+    inner = _inner(optimizer)
+    saved = metadata.state_dict_metadata
+    for key, p, piece in _optimizer_pieces(optimizer, model):
+        prefix = f"{OPTIM}{key}."
+        for full_key, meta in saved.items():
+            if not full_key.startswith(prefix) or not isinstance(meta, TensorStorageMetadata):
+                continue
+            dtype = meta.properties.dtype
+            if tuple(meta.size) == (piece.numel,):
+                value = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            else:  # a scalar (Adam's step): on the CPU, as torch's optimizers keep it
+                value = torch.zeros(tuple(meta.size), dtype=dtype)
+            inner.state[p].setdefault(full_key[len(prefix):], value)
+
+
+def _listed(keys: list[str]) -> str:
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+
+def _check_keys(state: dict[str, Any], metadata: Metadata, path: Any) -> None:
+    """A clear error for a checkpoint of another model or strategy (DCP's own would name one
+    missing key, and say nothing of keys this model does not load)."""
+    saved = metadata.state_dict_metadata
+    missing = sorted(k for k in state if k not in saved)
+    unused = sorted(k for k in saved if k not in state)
+    if missing or unused:
+        raise ValueError(
+            f"load_checkpoint: {path} does not fit this model and optimizer: "
+            + (f"it lacks {_listed(missing)}; " if missing else "")
+            + (f"it holds {_listed(unused)}, which they have not; " if unused else "")
+            + "it was saved from another model or strategy (Zero1 and Zero2 keep their "
+            "optimizer state per flat vector, FSDP and plain optimizers per parameter)")
+    for key, value in state.items():
+        meta = saved[key]
+        if isinstance(value, torch.Tensor) and isinstance(meta, TensorStorageMetadata):
+            if tuple(meta.size) != tuple(value.shape):
+                raise ValueError(f"load_checkpoint: {key} has shape {tuple(meta.size)} in "
+                                 f"{path}, {tuple(value.shape)} here: another model's")
+
+
+__all__ = ["FlatPiece", "SavedObject", "async_save_checkpoint", "checkpoint_state",
+           "load_checkpoint", "model_pieces", "optimizer_state", "save_checkpoint"]

@@ -1,0 +1,215 @@
+"""Sharded checkpoints with DCP (parlib.strategies.checkpoint), for FSDP and Zero1 with AdamW.
+
+A tiny model whose parameter counts do not divide by 2, 3 or 4 (so the last rank's shard is
+short, or empty: the head's bias has 3 elements over 4 ranks). On 4 and on 2 ranks, a run
+stopped after SAVE_AT steps, saved, rebuilt from other weights and loaded continues
+bit-exactly: every later loss and weight equal to the uninterrupted run's. Loaded on another
+number of ranks (4 -> 2, 2 -> 4, 4 -> 3) the next steps equal the single-device run within
+``parlib.verify``'s rule. An FSDP checkpoint loads into a plain model; a checkpoint of another
+strategy or model is refused by name.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import parlib
+from parlib import verify
+from parlib.strategies.checkpoint import (
+    checkpoint_state,
+    load_checkpoint,
+    save_checkpoint,
+)
+from parlib.strategies.data import shard_rows
+from parlib.strategies.fsdp import FSDP
+from parlib.strategies.zero import Zero1
+
+B, K, SAVE_AT = 12, 6, 3  # rows (divisible by 2, 3 and 4), steps, the step saved after
+LR, DECAY = 1e-2, 0.1
+STRATEGIES = ("fsdp", "zero1")
+OTHER_SEED = 77  # the weights a resumed run is built with, before the load overwrites them
+
+
+class Tiny(nn.Module):
+    """Two blocks (FSDP's units) and a root: 35 + 7, 2 x (49 + 7), 21 + 3 = 178 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 7)
+        self.blocks = nn.ModuleList([nn.Linear(7, 7) for _ in range(2)])
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(B, 5, generator=g), torch.randint(3, (B,), generator=g)
+
+
+def build(strategy: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Tiny()
+    if strategy == "fsdp":
+        fsdp = FSDP(model)
+        return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=LR, weight_decay=DECAY)
+    return model, Zero1(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=DECAY)
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    if isinstance(model, FSDP):
+        return model.gather_full_params()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> dict[str, list]:
+    """Steps ``steps`` on this rank's rows; the global loss and the full weights after each."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out: dict[str, list] = {"losses": [], "weights": []}
+    for step in steps:
+        x, y = (shard_rows(t, rank, n) for t in batch(step))
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if isinstance(model, FSDP):
+            model.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        out["losses"].append(total.item() / n)
+        out["weights"].append(weights(model))
+    return out
+
+
+def resume(strategy: str, path: str) -> dict[str, list]:
+    """Build from other weights, load ``path``, train the steps after SAVE_AT."""
+    model, opt = build(strategy, OTHER_SEED + dist.get_rank())
+    extra = load_checkpoint(path, model, opt)
+    return train(model, opt, range(extra["step"], K))
+
+
+def _uninterrupted_and_resumed(folder: str) -> dict[str, dict]:
+    res = {}
+    for strategy in STRATEGIES:
+        path = f"{folder}/{strategy}-{dist.get_world_size()}"
+        model, opt = build(strategy, dist.get_rank())
+        whole = train(model, opt, range(K))
+        model, opt = build(strategy, dist.get_rank())
+        train(model, opt, range(SAVE_AT))
+        save_checkpoint(path, model, opt, extra={"step": SAVE_AT})
+        res[strategy] = {"whole": whole, "resumed": resume(strategy, path)}
+    return res
+
+
+def _resume_all(folder: str, saved_on: int) -> dict[str, dict]:
+    return {s: resume(s, f"{folder}/{s}-{saved_on}") for s in STRATEGIES}
+
+
+def reference() -> dict[str, list]:
+    """One device, the whole batch, rank 0's initial weights (seed 0), AdamW."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    out: dict[str, list] = {"losses": [], "weights": []}
+    for step in range(K):
+        x, y = batch(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(loss.item())
+        out["weights"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[str, dict[int, dict]]:
+    """Uninterrupted and resumed runs on 4 and on 2 ranks, each saving after SAVE_AT."""
+    folder = str(tmp_path_factory.mktemp("checkpoints"))
+    return folder, {n: parlib.launch(_uninterrupted_and_resumed, folder, world_size=n,
+                                     timeout=300)[0] for n in (4, 2)}
+
+
+def test_the_tiny_model_splits_unevenly():
+    numels = [p.numel() for p in Tiny().parameters()]
+    assert sum(numels) % 4 and sum(numels) % 3 and 3 in numels  # 3 over 4 ranks: one empty
+
+
+@pytest.mark.parametrize("n", [4, 2])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_stop_and_resume_on_the_same_layout_is_bit_exact(runs, strategy, n):
+    res = runs[1][n][strategy]
+    whole, resumed = res["whole"], res["resumed"]
+    assert resumed["losses"] == whole["losses"][SAVE_AT:]  # floats, exactly
+    for got, want in zip(resumed["weights"], whole["weights"][SAVE_AT:]):
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), strategy
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(4, 2), (2, 4), (4, 3)])
+def test_resharded_run_continues_as_one_device(runs, saved_on, loaded_on):
+    folder, _ = runs
+    ref = reference()
+    got = parlib.launch(_resume_all, folder, saved_on, world_size=loaded_on, timeout=300)[0]
+    for strategy in STRATEGIES:
+        for step, (loss, w) in enumerate(zip(got[strategy]["losses"], got[strategy]["weights"]),
+                                         start=SAVE_AT):
+            assert verify.close(torch.tensor(loss), torch.tensor(ref["losses"][step]))
+            comparison = verify.compare(w, ref["weights"][step])
+            assert comparison, f"{strategy} {saved_on} -> {loaded_on}, step {step}: {comparison}"
+
+
+def test_the_uninterrupted_runs_match_one_device(runs):
+    """The ground the resharding test stands on: every layout's own run is the reference's."""
+    ref = reference()
+    for n, res in runs[1].items():
+        for strategy in STRATEGIES:
+            for step, w in enumerate(res[strategy]["whole"]["weights"]):
+                assert verify.compare(w, ref["weights"][step]), (n, strategy, step)
+
+
+def test_fsdp_checkpoint_loads_into_a_plain_model_and_optimizer(runs):
+    """Flat keys under the unwrapped names: one process, no process group, DCP reads the
+    four shards of every tensor into whole ones."""
+    torch.manual_seed(OTHER_SEED)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=DECAY)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        assert load_checkpoint(f"{runs[0]}/fsdp-4", model, opt) == {"step": SAVE_AT}
+    ref = reference()
+    assert verify.compare(dict(model.named_parameters()), ref["weights"][SAVE_AT - 1])
+    assert {int(s["step"]) for s in opt.state.values()} == {SAVE_AT}
+    state = checkpoint_state(model, opt)
+    assert "model.head.bias" in state and "optim.head.bias.exp_avg" in state
+
+
+def _wrong_loads(folder: str) -> list[str]:
+    """Loading a Zero1 checkpoint into FSDP, and a checkpoint into another model."""
+    errors = []
+    fsdp, opt = build("fsdp", 0)
+    other = nn.Linear(5, 7)
+    for model, optimizer, path in [(fsdp, opt, f"{folder}/zero1-2"),
+                                   (other, None, f"{folder}/fsdp-2")]:
+        try:
+            load_checkpoint(path, model, optimizer)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_a_checkpoint_of_another_strategy_or_model_is_refused(runs):
+    errors = parlib.launch(_wrong_loads, runs[0], world_size=2, timeout=120)[0]
+    assert len(errors) == 2
+    assert "optim.flat0.exp_avg" in errors[0] and "another model or strategy" in errors[0]
+    assert "model.blocks.0.weight" in errors[1]
