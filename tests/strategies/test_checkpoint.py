@@ -11,6 +11,7 @@ strategy or model is refused by name.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -19,10 +20,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import parlib
-from parlib import verify
+from parlib import cost, verify
 from parlib.strategies.checkpoint import (
+    async_save_checkpoint,
     checkpoint_state,
     load_checkpoint,
     save_checkpoint,
@@ -217,3 +221,43 @@ def test_a_checkpoint_of_another_strategy_or_model_is_refused(runs):
     assert len(errors) == 2
     assert "optim.flat0.exp_avg" in errors[0] and "another model or strategy" in errors[0]
     assert "model.blocks.0.weight" in errors[1]
+
+
+def tensor_bytes(path: str) -> float:
+    """The tensors' bytes a checkpoint holds, from DCP's metadata: every saved chunk."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata.values()
+    return sum(math.prod(chunk.sizes) * meta.properties.dtype.itemsize
+               for meta in saved if isinstance(meta, TensorStorageMetadata)
+               for chunk in meta.chunks)
+
+
+@pytest.mark.parametrize("n", [4, 2])
+@pytest.mark.parametrize("strategy, step_tensors", [("fsdp", 8), ("zero1", 1), ("zero2", 3)])
+def test_the_checkpoint_holds_the_bytes_the_cost_formula_predicts(runs, strategy,
+                                                                  step_tensors, n):
+    """12 bytes a parameter (the weight, Adam's two moments; no padding, each replicated
+    tensor once) and a 4-byte step per tensor stepped: FSDP's 8 parameters, Zero1's one
+    flat vector, Zero2's three units."""
+    params = sum(p.numel() for p in Tiny().parameters())
+    want = cost.checkpoint_bytes(params, strategy, {"dp": n}, step_tensors=step_tensors)
+    assert tensor_bytes(f"{runs[0]}/{strategy}-{n}") == want.total == 12 * params + 4 * step_tensors
+
+
+def _async_save_is_a_snapshot(folder: str) -> bool:
+    """Save in the background, change the weights at once; the checkpoint has the old."""
+    saves = dist.new_group(backend="gloo")
+    model, opt = build("fsdp", 0)
+    train(model, opt, range(1))
+    before = weights(model)
+    future = async_save_checkpoint(f"{folder}/async", model, opt, group=saves, extra={"step": 1})
+    train(model, opt, range(1, 3))
+    future.result()
+    fresh, fresh_opt = build("fsdp", OTHER_SEED)
+    load_checkpoint(f"{folder}/async", fresh, fresh_opt)
+    after = weights(fresh)
+    return all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_async_save_writes_the_state_of_the_moment_it_was_called(tmp_path):
+    assert all(parlib.launch(_async_save_is_a_snapshot, str(tmp_path), world_size=2,
+                             timeout=120))
