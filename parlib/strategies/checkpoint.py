@@ -215,13 +215,14 @@ def async_save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
                     group: Any = None) -> dict[str, Any]:
     """Load the checkpoint in ``path`` into ``model`` and ``optimizer`` in place, on any
-    world size (each rank reads the slices of its shards); returns the saved ``extra``."""
+    world size (each rank reads the slices of its shards); returns the saved ``extra``.
+    Without ``optimizer``, only the weights (to evaluate, or to fine-tune afresh)."""
     metadata = dcp.FileSystemReader(path).read_metadata()
     if optimizer is not None:
         _create_optimizer_state(optimizer, model, metadata)
     extra = {k[len(EXTRA):]: None for k in metadata.state_dict_metadata if k.startswith(EXTRA)}
     state = checkpoint_state(model, optimizer, extra)
-    _check_keys(state, metadata, path)
+    _check_keys(state, metadata, path, optimizer is not None)
     dcp.load(state, checkpoint_id=path, process_group=group,
              planner=DefaultLoadPlanner(flatten_state_dict=False,
                                         flatten_sharded_tensors=False))
@@ -261,12 +262,15 @@ def _listed(keys: list[str]) -> str:
     return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
-def _check_keys(state: dict[str, Any], metadata: Metadata, path: Any) -> None:
+def _check_keys(state: dict[str, Any], metadata: Metadata, path: Any,
+                with_optimizer: bool) -> None:
     """A clear error for a checkpoint of another model or strategy (DCP's own would name one
-    missing key, and say nothing of keys this model does not load)."""
+    missing key, and say nothing of keys this model does not load). Without an optimizer,
+    the optimizer's part of the checkpoint is left unread."""
     saved = metadata.state_dict_metadata
+    loaded = (MODEL, OPTIM) if with_optimizer else (MODEL,)
     missing = sorted(k for k in state if k not in saved)
-    unused = sorted(k for k in saved if k not in state)
+    unused = sorted(k for k in saved if k not in state and k.startswith(loaded))
     if missing or unused:
         raise ValueError(
             f"load_checkpoint: {path} does not fit this model and optimizer: "

@@ -261,3 +261,34 @@ def _async_save_is_a_snapshot(folder: str) -> bool:
 def test_async_save_writes_the_state_of_the_moment_it_was_called(tmp_path):
     assert all(parlib.launch(_async_save_is_a_snapshot, str(tmp_path), world_size=2,
                              timeout=120))
+
+
+def _two_fsdp_replicas(folder: str) -> dict[str, torch.Tensor]:
+    """4 ranks as 2 copies of FSDP over 2 ranks ({0, 1} and {2, 3}, each FSDP's ``group``),
+    one step each on the same rows; the 4 ranks save together (DCP over all ranks)."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
+    mine = groups[rank // 2]
+    torch.manual_seed(0)
+    fsdp = FSDP(Tiny(), group=mine, broadcast_from=rank // 2 * 2)
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR, weight_decay=DECAY)
+    x, y = (shard_rows(t, rank % 2, 2) for t in batch(0))
+    F.cross_entropy(fsdp(x), y).backward()
+    fsdp.finish_gradient_synchronization()
+    opt.step()
+    save_checkpoint(f"{folder}/replicas", fsdp, opt, extra={"step": 1})
+    return fsdp.gather_full_params()
+
+
+def test_fsdp_on_a_subgroup_shards_over_its_group_and_copies_are_written_once(tmp_path):
+    """The shards' mesh is FSDP's own group: both copies describe the same slices, and DCP
+    writes each once (the bytes of one copy), which load whole into one plain model."""
+    saved = parlib.launch(_two_fsdp_replicas, str(tmp_path), world_size=4, timeout=120)
+    assert all(torch.equal(saved[2][k], saved[0][k]) for k in saved[0])
+    params = sum(p.numel() for p in Tiny().parameters())
+    assert tensor_bytes(f"{tmp_path}/replicas") == 12 * params + 4 * 8
+    model = Tiny()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_checkpoint(f"{tmp_path}/replicas", model)
+    assert all(torch.equal(p, saved[0][n]) for n, p in model.named_parameters())
