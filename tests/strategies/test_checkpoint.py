@@ -203,7 +203,8 @@ def test_fsdp_checkpoint_loads_into_a_plain_model_and_optimizer(runs):
 
 
 def _wrong_loads(folder: str) -> list[str]:
-    """Loading a Zero1 checkpoint into FSDP, and a checkpoint into another model."""
+    """Loading a Zero1 checkpoint into FSDP, a checkpoint into another model, and Zero1's own
+    state_dict on another world size."""
     errors = []
     fsdp, opt = build("fsdp", 0)
     other = nn.Linear(5, 7)
@@ -213,14 +214,22 @@ def _wrong_loads(folder: str) -> list[str]:
             load_checkpoint(path, model, optimizer)
         except ValueError as err:
             errors.append(str(err))
+    zero1 = Zero1(Tiny().parameters(), torch.optim.AdamW, lr=LR)
+    state = zero1.state_dict()  # as torch.save would keep it, from a run on 4 ranks
+    state["layout"] = {**state["layout"], "world_size": 4}
+    try:
+        zero1.load_state_dict(state)
+    except ValueError as err:
+        errors.append(str(err))
     return errors
 
 
-def test_a_checkpoint_of_another_strategy_or_model_is_refused(runs):
+def test_a_checkpoint_of_another_strategy_or_model_is_refused_by_name(runs):
     errors = parlib.launch(_wrong_loads, runs[0], world_size=2, timeout=120)[0]
-    assert len(errors) == 2
+    assert len(errors) == 3
     assert "optim.flat0.exp_avg" in errors[0] and "another model or strategy" in errors[0]
     assert "model.blocks.0.weight" in errors[1]
+    assert "'world_size': 4" in errors[2] and "checkpoint.save_checkpoint" in errors[2]
 
 
 def tensor_bytes(path: str) -> float:
