@@ -39,6 +39,8 @@ from parlib.cost.checkpoint import (
     CheckpointBytes,
     checkpoint_bytes,
     checkpoint_overhead_per_hour,
+    flat_shard_range,
+    reshard_reads,
     young_daly_interval,
 )
 from parlib.cost.collectives import (
@@ -188,5 +190,7 @@ __all__ = [
     "CheckpointBytes",
     "checkpoint_bytes",
     "checkpoint_overhead_per_hour",
+    "flat_shard_range",
+    "reshard_reads",
     "young_daly_interval",
 ]

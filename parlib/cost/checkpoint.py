@@ -20,6 +20,9 @@ data-parallel (and context-parallel) copies of a slice
 - ZeRO-1 and ZeRO-2 shard the optimizer state over the copies, the weights stay whole;
 - ZeRO-3 / FSDP shard everything.
 
+Loaded on another number of ranks, each rank reads the overlap of its new piece with the
+saved ones (:func:`reshard_reads`, from :func:`flat_shard_range`).
+
 A checkpoint is written to be read after a failure. Young (1974) derived the interval
 between checkpoints that minimises the time lost: with ``save_time`` (delta) to write one and
 a mean time between failures M, writing every tau seconds of work spends delta / tau of the
@@ -116,6 +119,42 @@ def checkpoint_bytes(n_params: float, strategy: str = "dp",
     return CheckpointBytes(sum(per_rank.values()), sum(total.values()), total, lay.world)
 
 
+def flat_shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Elements [start, stop) of a flat vector of ``numel`` that ``rank`` of ``world_size``
+    holds (its real ones, padding excluded), as every sharded state of the course splits
+    it: pieces of S = ceil(numel / N), the last ranks short or empty (``torch.chunk``'s rule,
+    and a DTensor's ``Shard(0)``).
+
+    >>> [flat_shard_range(10, 4, r) for r in range(4)]
+    [(0, 3), (3, 6), (6, 9), (9, 10)]
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size), got rank={rank!r}, "
+                         f"world_size={world_size!r}")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel!r}")
+    size = -(-numel // world_size)
+    return min(numel, rank * size), min(numel, (rank + 1) * size)
+
+
+def reshard_reads(numel: int, saved_world_size: int, world_size: int,
+                  rank: int) -> list[tuple[int, int, int]]:
+    """What ``rank`` of ``world_size`` reads to rebuild its piece of a flat vector of
+    ``numel`` saved by ``saved_world_size`` ranks: (saved rank, start, stop) global element
+    ranges, in order, each the overlap of its piece with one saved piece.
+
+    >>> reshard_reads(10, 4, 3, 1)    # new piece [4, 8): old rank 1's [3, 6), rank 2's [6, 9)
+    [(1, 4, 6), (2, 6, 8)]
+    """
+    lo, hi = flat_shard_range(numel, world_size, rank)
+    reads = []
+    for saved_rank in range(saved_world_size):
+        start, stop = flat_shard_range(numel, saved_world_size, saved_rank)
+        if max(lo, start) < min(hi, stop):
+            reads.append((saved_rank, max(lo, start), min(hi, stop)))
+    return reads
+
+
 def young_daly_interval(save_time: float, mtbf: float) -> float:
     """Seconds of work between checkpoints that minimise the time lost to saving and to
     failures: sqrt(2 x save_time x mtbf) (Young 1974; Daly 2006: the first-order term of
@@ -154,4 +193,5 @@ def _require_positive(**values: float) -> None:
 
 
 __all__ = ["CHECKPOINT_STRATEGIES", "CheckpointBytes", "WRITERS", "checkpoint_bytes",
-           "checkpoint_overhead_per_hour", "young_daly_interval"]
+           "checkpoint_overhead_per_hour", "flat_shard_range", "reshard_reads",
+           "young_daly_interval"]

@@ -102,4 +102,33 @@ def test_overhead_per_hour_by_hand_and_smallest_at_the_interval():
 
 def test_docstring_examples_run():
     result = doctest.testmod(checkpoint)
-    assert result.attempted >= 5 and result.failed == 0
+    assert result.attempted >= 7 and result.failed == 0
+
+
+def test_flat_shard_range_short_and_empty_last_pieces():
+    assert [cost.flat_shard_range(3, 4, r) for r in range(4)] == [(0, 1), (1, 2), (2, 3),
+                                                                 (3, 3)]
+    assert [cost.flat_shard_range(35, 3, r) for r in range(3)] == [(0, 12), (12, 24), (24, 35)]
+    with pytest.raises(ValueError, match="rank must be in"):
+        cost.flat_shard_range(10, 2, 2)
+
+
+@pytest.mark.parametrize("numel", [1, 3, 10, 35, 178])
+@pytest.mark.parametrize("saved, now", [(4, 2), (2, 4), (4, 3), (3, 4), (1, 5), (5, 1)])
+def test_reshard_reads_rebuild_every_piece_exactly_once(numel, saved, now):
+    for rank in range(now):
+        lo, hi = cost.flat_shard_range(numel, now, rank)
+        reads = cost.reshard_reads(numel, saved, now, rank)
+        assert [(a, b) for _, a, b in reads] == sorted((a, b) for _, a, b in reads)
+        assert sum(b - a for _, a, b in reads) == hi - lo  # nothing missing, nothing twice
+        assert all(lo <= a < b <= hi for _, a, b in reads)
+        for old, a, b in reads:  # each range lies in the saved piece it is read from
+            start, stop = cost.flat_shard_range(numel, saved, old)
+            assert start <= a and b <= stop
+
+
+def test_reshard_reads_by_hand():
+    # 10 elements, 4 -> 3: old pieces [0,3) [3,6) [6,9) [9,10), new [0,4) [4,8) [8,10)
+    assert cost.reshard_reads(10, 4, 3, 0) == [(0, 0, 3), (1, 3, 4)]
+    assert cost.reshard_reads(10, 4, 3, 2) == [(2, 8, 9), (3, 9, 10)]
+    assert cost.reshard_reads(10, 2, 4, 3) == [(1, 9, 10)]

@@ -301,3 +301,21 @@ def test_fsdp_on_a_subgroup_shards_over_its_group_and_copies_are_written_once(tm
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         load_checkpoint(f"{tmp_path}/replicas", model)
     assert all(torch.equal(p, saved[0][n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_saved_pieces_are_the_cost_modules_flat_shard_ranges(runs, strategy):
+    """DCP recorded, for every sharded tensor, the pieces cost.flat_shard_range names: the
+    course's split is the DTensor's, so resharding reads cost.reshard_reads' ranges."""
+    saved = FileSystemReader(f"{runs[0]}/{strategy}-4").read_metadata().state_dict_metadata
+    sharded = 0
+    for meta in saved.values():
+        if not isinstance(meta, TensorStorageMetadata) or len(meta.chunks) < 2:
+            continue
+        sharded += 1
+        numel = meta.size[0]
+        got = {(c.offsets[0], c.sizes[0]) for c in meta.chunks if c.sizes[0]}
+        want = {(lo, hi - lo) for lo, hi in (cost.flat_shard_range(numel, 4, r)
+                                             for r in range(4)) if hi > lo}
+        assert got == want
+    assert sharded >= (8 * 3 if strategy == "fsdp" else 2)  # FSDP: weights and moments
