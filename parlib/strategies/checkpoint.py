@@ -8,7 +8,8 @@ states where every rank writes only its own shard, load them on any number of ra
 What a checkpoint holds: the model's parameters and buffers (``model.<name>``), the
 optimizer's state (``optim.<name>.exp_avg``, ``.step``, ...; its hyperparameters in
 ``optim.param_groups``) and ``extra``, small values equal on every rank (the step, the data
-position) under ``extra.<key>``, each saved whole (DCP's flattening of nested dicts is off).
+position, a shared RNG state) under ``extra.<key>``, each saved once and whole (DCP's
+flattening of nested dicts is off), tensors as tensors, anything else pickled.
 Gradients are not saved: the next step recomputes them.
 
 **How each shard is described to DCP, and why that way.** Every sharded state in the course
@@ -220,8 +221,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = 
     metadata = dcp.FileSystemReader(path).read_metadata()
     if optimizer is not None:
         _create_optimizer_state(optimizer, model, metadata)
-    extra = {k[len(EXTRA):]: None for k in metadata.state_dict_metadata if k.startswith(EXTRA)}
-    state = checkpoint_state(model, optimizer, extra)
+    state = checkpoint_state(model, optimizer, _saved_extra(metadata))
     _check_keys(state, metadata, path, optimizer is not None)
     dcp.load(state, checkpoint_id=path, process_group=group,
              planner=DefaultLoadPlanner(flatten_state_dict=False,
@@ -237,6 +237,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = 
         shard.read_params()  # Zero2 steps its shard copy: it must see the loaded weights
     return {k[len(EXTRA):]: v.value if isinstance(v, SavedObject) else v
             for k, v in state.items() if k.startswith(EXTRA)}
+
+
+def _saved_extra(metadata: Metadata) -> dict[str, Any]:
+    """Where to load each saved ``extra`` value: a tensor of its size, or nothing yet."""
+    return {key[len(EXTRA):]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            if isinstance(meta, TensorStorageMetadata) else None
+            for key, meta in metadata.state_dict_metadata.items() if key.startswith(EXTRA)}
 
 
 @torch.no_grad()

@@ -319,3 +319,23 @@ def test_the_saved_pieces_are_the_cost_modules_flat_shard_ranges(runs, strategy)
                                              for r in range(4)) if hi > lo}
         assert got == want
     assert sharded >= (8 * 3 if strategy == "fsdp" else 2)  # FSDP: weights and moments
+
+
+def test_one_process_saves_and_loads_a_plain_model_with_its_extra(tmp_path):
+    """No process group: DCP saves and loads in this process. ``extra`` comes back as it
+    went: a tensor (an RNG state) as a tensor, a dict as a dict."""
+    model, fresh = Tiny(), Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    F.cross_entropy(model(batch(0)[0]), batch(0)[1]).backward()
+    opt.step()
+    extra = {"rng": torch.get_rng_state(), "data": {"epoch": 1, "row": 12}}
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save_checkpoint(tmp_path / "plain", model, opt, extra=extra)
+        got = load_checkpoint(tmp_path / "plain", fresh, fresh_opt)
+    assert torch.equal(got["rng"], extra["rng"]) and got["data"] == extra["data"]
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    assert fresh_opt.param_groups[0]["lr"] == LR  # the hyperparameters come back too
+    assert all(torch.equal(fresh_opt.state[a]["exp_avg"], opt.state[b]["exp_avg"])
+               for a, b in zip(fresh.parameters(), model.parameters()))
