@@ -27,10 +27,18 @@ rewrite what DCP's default one does. Tensors held whole (a plain model, the weig
 ``Zero1``, FSDP's replicated and frozen parameters, buffers, Adam's step) are plain tensors:
 DCP writes one copy of each.
 
-Every tensor is saved **flat**, under the unwrapped model's parameter names, so the same
-checkpoint loads into a plain model with a plain optimizer, ``DataParallel`` or ``FSDP`` at
-any world size. ``Zero1``'s and ``Zero2``'s optimizer state is keyed by flat vector
-(``optim.flat<i>.exp_avg``): it reshards across world sizes of the same strategy.
+Every tensor is saved **flat**, under the unwrapped model's parameter names (a pipeline
+``Stage``'s or ``ChunkedStage``'s under the full model's, so p = 4 stages load into p = 2),
+so the same checkpoint loads into a plain model with a plain optimizer, ``DataParallel``,
+``FSDP`` at any world size or pipeline stages. ``Zero1``'s and ``Zero2``'s optimizer state
+is keyed by flat vector (``optim.flat<i>.exp_avg``): it reshards across world sizes of the
+same strategy.
+
+Not covered: tensor parallelism. Its column-parallel pieces are ranges of the flat vector,
+but a row-parallel weight is cut along dimension 1, which is not: it needs keys of the
+tensors' own shapes, with FSDP's flat piece of a matrix described as up to three boxes (a
+partial row, whole rows, a partial row; a ``ShardedTensor`` with several local shards does
+this, and loads into a row-parallel DTensor ``Shard(1)`` on gloo).
 
 ``group``: the ranks that save (and load) the checkpoint together; DCP's collectives run on
 it (for ``async_save_checkpoint``, give it a group of its own, so that the background save
@@ -58,6 +66,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from parlib.strategies.data_parallel import DataParallel
 from parlib.strategies.fsdp import FSDP
+from parlib.strategies.pipeline import ChunkedStage, Stage
 from parlib.strategies.zero import FlatShard
 
 MODEL, OPTIM, EXTRA = "model.", "optim.", "extra."
@@ -112,10 +121,28 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DataParallel) else model
 
 
+def _stage_name(stage: Stage, local: str) -> str:
+    """A pipeline stage's tensor under its full-model name ("blocks.0.x" -> "blocks.2.x")."""
+    if local in stage.global_names:
+        return stage.global_names[local]
+    head, _, rest = local.partition(".")
+    if head == "blocks":  # a buffer: the parameters' rule
+        index, _, rest = rest.partition(".")
+        return f"blocks.{stage.layer_ids[int(index)]}.{rest}"
+    return local
+
+
 def model_pieces(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, FlatPiece]]:
     """(name, the tensor this rank holds, its piece) for every parameter and buffer, under
-    the unwrapped model's names: FSDP's trainable shards sharded, everything else whole."""
+    the unwrapped model's names (a pipeline stage's under the full model's): FSDP's
+    trainable shards sharded, everything else whole."""
     model = _unwrap(model)
+    stages = list(model) if isinstance(model, ChunkedStage) else [model]
+    if all(isinstance(s, Stage) for s in stages):
+        for stage in stages:
+            for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
+                yield _stage_name(stage, name), t, FlatPiece(t.numel())
+        return
     sharded: set[int] = set()
     if isinstance(model, FSDP):
         mesh = None
@@ -222,7 +249,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = 
     if optimizer is not None:
         _create_optimizer_state(optimizer, model, metadata)
     state = checkpoint_state(model, optimizer, _saved_extra(metadata))
-    _check_keys(state, metadata, path, optimizer is not None)
+    stage = isinstance(_unwrap(model), (Stage, ChunkedStage))
+    _check_keys(state, metadata, path, optimizer is not None, part_of_model=stage)
     dcp.load(state, checkpoint_id=path, process_group=group,
              planner=DefaultLoadPlanner(flatten_state_dict=False,
                                         flatten_sharded_tensors=False))
@@ -270,14 +298,15 @@ def _listed(keys: list[str]) -> str:
 
 
 def _check_keys(state: dict[str, Any], metadata: Metadata, path: Any,
-                with_optimizer: bool) -> None:
+                with_optimizer: bool, part_of_model: bool) -> None:
     """A clear error for a checkpoint of another model or strategy (DCP's own would name one
     missing key, and say nothing of keys this model does not load). Without an optimizer,
-    the optimizer's part of the checkpoint is left unread."""
+    the optimizer's part of the checkpoint is left unread; a pipeline stage reads its part."""
     saved = metadata.state_dict_metadata
     loaded = (MODEL, OPTIM) if with_optimizer else (MODEL,)
     missing = sorted(k for k in state if k not in saved)
-    unused = sorted(k for k in saved if k not in state and k.startswith(loaded))
+    unused = [] if part_of_model else sorted(
+        k for k in saved if k not in state and k.startswith(loaded))
     if missing or unused:
         raise ValueError(
             f"load_checkpoint: {path} does not fit this model and optimizer: "

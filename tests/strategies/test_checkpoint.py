@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import parlib
 from parlib import cost, verify
+from parlib.model import ModelConfig, build_model
 from parlib.strategies.checkpoint import (
     async_save_checkpoint,
     checkpoint_state,
@@ -33,6 +34,7 @@ from parlib.strategies.checkpoint import (
 )
 from parlib.strategies.data import shard_rows
 from parlib.strategies.fsdp import FSDP
+from parlib.strategies.pipeline import ChunkedStage, build_chunks, build_stage
 from parlib.strategies.sharded import Zero2
 from parlib.strategies.zero import Zero1
 
@@ -339,3 +341,50 @@ def test_one_process_saves_and_loads_a_plain_model_with_its_extra(tmp_path):
     assert fresh_opt.param_groups[0]["lr"] == LR  # the hyperparameters come back too
     assert all(torch.equal(fresh_opt.state[a]["exp_avg"], opt.state[b]["exp_avg"])
                for a, b in zip(fresh.parameters(), model.parameters()))
+
+
+PIPE_CFG = ModelConfig(vocab_size=16, seq_len=4, d_model=8, n_heads=2, n_layers=4)
+
+
+def _fake_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """An AdamW step on gradients that need no pipeline schedule: 0.1 x each weight."""
+    for p in model.parameters():
+        p.grad = 0.1 * p.detach()
+    opt.step()
+
+
+def _save_stages(folder: str) -> None:
+    stage = build_stage(PIPE_CFG, seed=0)
+    opt = torch.optim.AdamW(stage.parameters(), lr=LR)
+    _fake_step(stage, opt)
+    save_checkpoint(f"{folder}/pipeline", stage, opt, extra={"step": 1})
+
+
+def _load_stages(folder: str) -> list[dict[str, dict[str, torch.Tensor]]]:
+    """Plain stages (p = 2) and interleaved ones (p = 2, v = 2), from other weights."""
+    out = []
+    for stages in ([build_stage(PIPE_CFG, seed=5)], list(build_chunks(PIPE_CFG, seed=5, v=2))):
+        opt = torch.optim.AdamW([p for s in stages for p in s.parameters()], lr=LR)
+        model = stages[0] if len(stages) == 1 else ChunkedStage(stages, dist.get_rank(), 2)
+        load_checkpoint(f"{folder}/pipeline", model, opt)
+        named = {s.global_names[n]: p for s in stages for n, p in s.named_parameters()}
+        out.append({"weights": {n: p.detach() for n, p in named.items()},
+                    "exp_avg": {n: opt.state[p]["exp_avg"] for n, p in named.items()}})
+    return out
+
+
+def test_pipeline_stages_of_four_load_into_two_plain_and_interleaved(tmp_path):
+    """Stages save under the full model's names, so stage 1 of 2 (blocks 2, 3 and the head)
+    reads what stages 2 and 3 of 4 wrote, as does an interleaved rank's pair of chunks."""
+    parlib.launch(_save_stages, str(tmp_path), world_size=4, timeout=120)
+    got = parlib.launch(_load_stages, str(tmp_path), world_size=2, timeout=120)
+    full = build_model(PIPE_CFG, seed=0)
+    opt = torch.optim.AdamW(full.parameters(), lr=LR)
+    _fake_step(full, opt)
+    for layout in range(2):  # plain stages, interleaved chunks
+        weights = {n: w for rank in got for n, w in rank[layout]["weights"].items()}
+        moments = {n: m for rank in got for n, m in rank[layout]["exp_avg"].items()}
+        assert weights.keys() == dict(full.named_parameters()).keys()
+        for name, p in full.named_parameters():
+            assert torch.equal(weights[name], p.detach()), name
+            assert torch.equal(moments[name], opt.state[p]["exp_avg"]), name
