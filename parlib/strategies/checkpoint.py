@@ -61,6 +61,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -240,20 +241,39 @@ def async_save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: 
                           planner=DefaultSavePlanner(flatten_state_dict=False))
 
 
+class CountingLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner (no flattening: the state is flat already) that counts
+    the tensor bytes this rank's plan reads, in ``read_bytes``."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.read_bytes = 0
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        saved = self.metadata.state_dict_metadata
+        self.read_bytes = sum(math.prod(item.lengths)
+                              * saved[item.storage_index.fqn].properties.dtype.itemsize
+                              for item in plan.items if item.type == LoadItemType.TENSOR)
+        return plan
+
+
 def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
-                    group: Any = None) -> dict[str, Any]:
+                    group: Any = None, stats: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load the checkpoint in ``path`` into ``model`` and ``optimizer`` in place, on any
     world size (each rank reads the slices of its shards); returns the saved ``extra``.
-    Without ``optimizer``, only the weights (to evaluate, or to fine-tune afresh)."""
+    Without ``optimizer``, only the weights (to evaluate, or to fine-tune afresh).
+    ``stats``: a dict that receives ``read_bytes``, the tensor bytes this rank read."""
     metadata = dcp.FileSystemReader(path).read_metadata()
     if optimizer is not None:
         _create_optimizer_state(optimizer, model, metadata)
     state = checkpoint_state(model, optimizer, _saved_extra(metadata))
     stage = isinstance(_unwrap(model), (Stage, ChunkedStage))
     _check_keys(state, metadata, path, optimizer is not None, part_of_model=stage)
-    dcp.load(state, checkpoint_id=path, process_group=group,
-             planner=DefaultLoadPlanner(flatten_state_dict=False,
-                                        flatten_sharded_tensors=False))
+    planner = CountingLoadPlanner()
+    dcp.load(state, checkpoint_id=path, process_group=group, planner=planner)
+    if stats is not None:
+        stats["read_bytes"] = planner.read_bytes
     if optimizer is not None:
         owner, saved_groups = _hyperparameter_owner(optimizer), state[HYPERPARAMETERS].value
         if len(saved_groups) != len(owner.param_groups):
@@ -322,5 +342,6 @@ def _check_keys(state: dict[str, Any], metadata: Metadata, path: Any,
                                  f"{path}, {tuple(value.shape)} here: another model's")
 
 
-__all__ = ["FlatPiece", "SavedObject", "async_save_checkpoint", "checkpoint_state",
-           "load_checkpoint", "model_pieces", "optimizer_state", "save_checkpoint"]
+__all__ = ["CountingLoadPlanner", "FlatPiece", "SavedObject", "async_save_checkpoint",
+           "checkpoint_state", "load_checkpoint", "model_pieces", "optimizer_state",
+           "save_checkpoint"]

@@ -104,8 +104,9 @@ def train(model: nn.Module, opt: Any, steps: range) -> dict[str, list]:
 def resume(strategy: str, path: str) -> dict[str, list]:
     """Build from other weights, load ``path``, train the steps after SAVE_AT."""
     model, opt = build(strategy, OTHER_SEED + dist.get_rank())
-    extra = load_checkpoint(path, model, opt)
-    return train(model, opt, range(extra["step"], K))
+    stats: dict[str, int] = {}
+    extra = load_checkpoint(path, model, opt, stats=stats)
+    return {**train(model, opt, range(extra["step"], K)), "read": stats["read_bytes"]}
 
 
 def _uninterrupted_and_resumed(folder: str) -> dict[str, dict]:
@@ -166,11 +167,47 @@ def test_stop_and_resume_on_the_same_layout_is_bit_exact(runs, strategy, n):
         assert all(torch.equal(got[k], want[k]) for k in want), strategy
 
 
+# the flat vectors each strategy shards: FSDP every parameter, Zero1 all 178 as one, Zero2
+# one per unit (each block, then the rest: embed and head)
+FLAT_VECTORS = {"fsdp": [35, 7, 49, 7, 49, 7, 21, 3], "zero1": [178], "zero2": [56, 56, 66]}
+
+
+def read_bytes_predicted(strategy: str, world_size: int, rank: int) -> int:
+    """The weights (4 bytes) and Adam's moments (8) of this rank's pieces (FSDP; under Zero1
+    and Zero2 the weights whole), and every step counter (4 bytes each)."""
+    ranges = [cost.flat_shard_range(n, world_size, rank) for n in FLAT_VECTORS[strategy]]
+    pieces = sum(hi - lo for lo, hi in ranges)
+    weights = 4 * pieces if strategy == "fsdp" else 4 * 178
+    return weights + 8 * pieces + 4 * len(FLAT_VECTORS[strategy])
+
+
+@pytest.fixture(scope="module")
+def resharded(runs):
+    """Every rank's resumed run, loaded on ``loaded_on`` ranks from ``saved_on``'s
+    checkpoint (each launched once)."""
+    done: dict[tuple[int, int], list] = {}
+
+    def get(saved_on: int, loaded_on: int) -> list:
+        if (saved_on, loaded_on) not in done:
+            done[saved_on, loaded_on] = parlib.launch(_resume_all, runs[0], saved_on,
+                                                      world_size=loaded_on, timeout=300)
+        return done[saved_on, loaded_on]
+    return get
+
+
 @pytest.mark.parametrize("saved_on, loaded_on", [(4, 2), (2, 4), (4, 3)])
-def test_resharded_run_continues_as_one_device(runs, saved_on, loaded_on):
-    folder, _ = runs
+def test_each_rank_reads_only_its_pieces(resharded, saved_on, loaded_on):
+    """DCP reads, per rank, the bytes of its new pieces (cost.flat_shard_range) and what it
+    holds whole; the pieces of other ranks stay unread."""
+    for rank, res in enumerate(resharded(saved_on, loaded_on)):
+        for strategy in STRATEGIES:
+            assert res[strategy]["read"] == read_bytes_predicted(strategy, loaded_on, rank)
+
+
+@pytest.mark.parametrize("saved_on, loaded_on", [(4, 2), (2, 4), (4, 3)])
+def test_resharded_run_continues_as_one_device(resharded, saved_on, loaded_on):
     ref = reference()
-    got = parlib.launch(_resume_all, folder, saved_on, world_size=loaded_on, timeout=300)[0]
+    got = resharded(saved_on, loaded_on)[0]
     for strategy in STRATEGIES:
         for step, (loss, w) in enumerate(zip(got[strategy]["losses"], got[strategy]["weights"]),
                                          start=SAVE_AT):
