@@ -22,23 +22,28 @@ So each shard is given to DCP as ``DTensor.from_local(shard[:real], mesh, [Shard
 shape=(numel,))``: a view of the live tensor, no copy, nothing communicated, and DCP's own
 planners record which rank holds which slice and, at load, read for each rank the slices its
 new shard needs from whichever files hold them: resharding for free. The alternatives are
-more code: ``ShardedTensor`` is deprecated in favour of DTensor, and a custom planner would
-rewrite what DCP's default one does. Tensors held whole (a plain model, the weights under
-``Zero1``, FSDP's replicated and frozen parameters, buffers, Adam's step) are plain tensors:
-DCP writes one copy of each.
+more code: ``ShardedTensor`` is deprecated in favour of DTensor (used only where DTensor
+cannot say it, below), and a custom planner would rewrite what DCP's default one does.
+Tensors held whole (a plain model, the weights under ``Zero1``, FSDP's replicated and frozen
+parameters, buffers, Adam's step) are plain tensors: DCP writes one copy of each.
 
 Every tensor is saved **flat**, under the unwrapped model's parameter names (a pipeline
 ``Stage``'s or ``ChunkedStage``'s under the full model's, so p = 4 stages load into p = 2),
 so the same checkpoint loads into a plain model with a plain optimizer, ``DataParallel``,
-``FSDP`` at any world size or pipeline stages. ``Zero1``'s and ``Zero2``'s optimizer state
-is keyed by flat vector (``optim.flat<i>.exp_avg``): it reshards across world sizes of the
-same strategy.
+``FSDP`` at any world size, pipeline stages or a tensor-parallel model. ``Zero1``'s and
+``Zero2``'s optimizer state is keyed by flat vector (``optim.flat<i>.exp_avg``): it
+reshards across world sizes of the same strategy.
 
-Not covered: tensor parallelism. Its column-parallel pieces are ranges of the flat vector,
-but a row-parallel weight is cut along dimension 1, which is not: it needs keys of the
-tensors' own shapes, with FSDP's flat piece of a matrix described as up to three boxes (a
-partial row, whole rows, a partial row; a ``ShardedTensor`` with several local shards does
-this, and loads into a row-parallel DTensor ``Shard(1)`` on gloo).
+Tensor parallelism (``TensorParallelGPT``) fits the same flat keys: a column-parallel
+piece (rows [r x o/t, (r + 1) x o/t)) is a range of the flat vector, the DTensor split above;
+a row-parallel weight's piece (columns [r x i/t, (r + 1) x i/t)) is one run of i/t elements
+in each of the o rows, a stride apart, which no DTensor placement of a flat vector says. It
+is given to DCP as a ``ShardedTensor`` with one local shard per row
+(:class:`RowsOfColumnsPiece`): deprecated in favour of DTensor, but the one description DCP
+takes of several pieces per rank. Each row is a write and a read of its own, so a
+row-parallel weight costs DCP o items per rank where FSDP's costs one (why torch's FSDP2
+shards dimension 0). Keys of the tensors' own shapes would instead need FSDP's flat piece of
+a matrix described as up to three boxes (a partial row, whole rows, a partial row).
 
 ``group``: the ranks that save (and load) the checkpoint together; DCP's collectives run on
 it (for ``async_save_checkpoint``, give it a group of its own, so that the background save
@@ -48,8 +53,10 @@ group.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -68,6 +75,7 @@ from torch.distributed.tensor import DTensor, Shard
 from parlib.strategies.data_parallel import DataParallel
 from parlib.strategies.fsdp import FSDP
 from parlib.strategies.pipeline import ChunkedStage, Stage
+from parlib.strategies.tensor import TensorParallelGPT, split_dims
 from parlib.strategies.zero import FlatShard
 
 MODEL, OPTIM, EXTRA = "model.", "optim.", "extra."
@@ -97,6 +105,55 @@ class FlatPiece:
         real = max(0, min(size, self.numel - self.mesh.get_local_rank() * size))
         return DTensor.from_local(flat[:real], self.mesh, [Shard(0)], run_check=False,
                                   shape=(self.numel,), stride=(1,))
+
+
+@dataclass(frozen=True)
+class RowsOfColumnsPiece:
+    """A tensor-parallel row-parallel weight's piece: columns [r x c, (r + 1) x c) of an
+    (rows, t x c) matrix, in the flat vector ``rows`` runs of c elements, one per row, a
+    stride apart. DTensor cannot say that of a flat vector; a ``ShardedTensor`` with one
+    local shard per row (views of this rank's rows) can."""
+
+    rows: int
+    columns: int  # this rank's
+    group: Any
+
+    @property
+    def numel(self) -> int:
+        """The whole matrix's elements."""
+        return self.rows * self.columns * dist.get_world_size(self.group)
+
+    def view(self, local: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import (
+            ShardedTensorMetadata,
+            TensorProperties,
+        )
+
+        rank, t = dist.get_rank(self.group), dist.get_world_size(self.group)
+        width, device = self.columns * t, local.device.type
+        boxes = [[ShardMetadata([i * width + r * self.columns], [self.columns],
+                                f"rank:{r}/{device}") for i in range(self.rows)]
+                 for r in range(t)]
+        mine = local.detach().view(self.rows, self.columns)
+        metadata = ShardedTensorMetadata([b for per_rank in boxes for b in per_rank],
+                                         torch.Size([self.rows * width]),
+                                         TensorProperties(dtype=local.dtype))
+        return ShardedTensor._init_from_local_shards_and_global_metadata(  # noqa: SLF001
+            [LocalShard(mine[i], boxes[rank][i]) for i in range(self.rows)], metadata,
+            process_group=self.group)
+
+
+@contextlib.contextmanager
+def _sharded_tensors_quiet() -> Iterator[None]:
+    """ShardedTensor (:class:`RowsOfColumnsPiece`) warns of its deprecation at every torch
+    call DCP makes on it; DTensor cannot describe those pieces, so the warning is noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Please use DTensor instead",
+                                category=FutureWarning)
+        yield
 
 
 class SavedObject:
@@ -144,6 +201,9 @@ def model_pieces(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, FlatPiec
             for name, t in [*stage.named_parameters(), *stage.named_buffers()]:
                 yield _stage_name(stage, name), t, FlatPiece(t.numel())
         return
+    if isinstance(model, TensorParallelGPT):
+        yield from _tensor_parallel_pieces(model)
+        return
     sharded: set[int] = set()
     if isinstance(model, FSDP):
         mesh = None
@@ -157,6 +217,25 @@ def model_pieces(model: nn.Module) -> Iterator[tuple[str, torch.Tensor, FlatPiec
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if id(t) not in sharded:
             yield name, t, FlatPiece(t.numel())
+
+
+def _tensor_parallel_pieces(model: TensorParallelGPT
+                            ) -> Iterator[tuple[str, torch.Tensor, Any]]:
+    """A tensor-parallel model's pieces: cut along dimension 0 (column-parallel), a range
+    of the flat vector (t divides the rows, so torch.chunk's rule is the cut); along
+    dimension 1 (row-parallel), every row's run of columns; the rest whole."""
+    mesh, t = None, model.tp_size
+    dims = split_dims(model)
+    for name, p in model.named_parameters():
+        if dims[name] == 0:
+            mesh = mesh or _mesh(model.group, p.device)
+            yield name, p, FlatPiece(p.numel() * t, mesh)
+        elif dims[name] == 1:
+            yield name, p, RowsOfColumnsPiece(p.shape[0], p.shape[1], model.group)
+        else:
+            yield name, p, FlatPiece(p.numel())
+    for name, b in model.named_buffers():
+        yield name, b, FlatPiece(b.numel())
 
 
 def _optimizer_pieces(optimizer: Any, model: nn.Module
@@ -226,8 +305,9 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = 
                     extra: Mapping[str, Any] | None = None, group: Any = None) -> None:
     """Every rank of ``group`` writes its shards of ``model`` and ``optimizer`` (and one copy
     of what is held whole) into the folder ``path``; returns when all are written."""
-    dcp.save(checkpoint_state(model, optimizer, extra), checkpoint_id=path,
-             process_group=group, planner=DefaultSavePlanner(flatten_state_dict=False))
+    with _sharded_tensors_quiet():
+        dcp.save(checkpoint_state(model, optimizer, extra), checkpoint_id=path,
+                 process_group=group, planner=DefaultSavePlanner(flatten_state_dict=False))
 
 
 def async_save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = None,
@@ -236,9 +316,10 @@ def async_save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: 
     """:func:`save_checkpoint` in the background (``dcp.async_save``): returns once the
     state is copied to a staging buffer, so training may change the weights; ``.result()``
     on the returned future waits until it is on disk. Give it a ``group`` of its own."""
-    return dcp.async_save(checkpoint_state(model, optimizer, extra), checkpoint_id=path,
-                          process_group=group,
-                          planner=DefaultSavePlanner(flatten_state_dict=False))
+    with _sharded_tensors_quiet():
+        return dcp.async_save(checkpoint_state(model, optimizer, extra), checkpoint_id=path,
+                              process_group=group,
+                              planner=DefaultSavePlanner(flatten_state_dict=False))
 
 
 class CountingLoadPlanner(DefaultLoadPlanner):
@@ -264,6 +345,12 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = 
     world size (each rank reads the slices of its shards); returns the saved ``extra``.
     Without ``optimizer``, only the weights (to evaluate, or to fine-tune afresh).
     ``stats``: a dict that receives ``read_bytes``, the tensor bytes this rank read."""
+    with _sharded_tensors_quiet():
+        return _load(path, model, optimizer, group, stats)
+
+
+def _load(path: str | os.PathLike, model: nn.Module, optimizer: Any, group: Any,
+          stats: dict[str, Any] | None) -> dict[str, Any]:
     metadata = dcp.FileSystemReader(path).read_metadata()
     if optimizer is not None:
         _create_optimizer_state(optimizer, model, metadata)

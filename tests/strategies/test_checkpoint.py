@@ -36,6 +36,7 @@ from parlib.strategies.data import shard_rows
 from parlib.strategies.fsdp import FSDP
 from parlib.strategies.pipeline import ChunkedStage, build_chunks, build_stage
 from parlib.strategies.sharded import Zero2
+from parlib.strategies.tensor import TensorParallelGPT, shard_of, split_dims
 from parlib.strategies.zero import Zero1
 
 B, K, SAVE_AT = 12, 6, 3  # rows (divisible by 2, 3 and 4), steps, the step saved after
@@ -425,3 +426,50 @@ def test_pipeline_stages_of_four_load_into_two_plain_and_interleaved(tmp_path):
         for name, p in full.named_parameters():
             assert torch.equal(weights[name], p.detach()), name
             assert torch.equal(moments[name], opt.state[p]["exp_avg"]), name
+
+
+def _fake_step_fsdp_gpt(folder: str) -> None:
+    fsdp = FSDP(build_model(PIPE_CFG, seed=0))
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR)
+    _fake_step(fsdp, opt)  # on the shards: the padding stays zero
+    save_checkpoint(f"{folder}/fsdp-gpt", fsdp, opt)
+
+
+def _tensor_parallel_load_and_save(folder: str) -> dict[str, dict[str, torch.Tensor]]:
+    tp = TensorParallelGPT(build_model(PIPE_CFG, seed=5))
+    opt = torch.optim.AdamW(tp.parameters(), lr=LR)
+    with warnings.catch_warnings(record=True) as caught:  # ShardedTensor's: silenced
+        warnings.simplefilter("always")
+        load_checkpoint(f"{folder}/fsdp-gpt", tp, opt)
+        save_checkpoint(f"{folder}/tp", tp, opt)
+    return {"warnings": [str(w.message) for w in caught],
+            "weights": {n: p.detach() for n, p in tp.named_parameters()},
+            "exp_avg": {n: opt.state[p]["exp_avg"] for n, p in tp.named_parameters()},
+            "dims": split_dims(tp)}
+
+
+def test_fsdp_on_four_into_tensor_parallel_on_two_and_back_to_one(tmp_path):
+    """Column-parallel pieces are ranges of the flat vectors FSDP saved; row-parallel ones a
+    run of columns in every row. Saved from t = 2, they load whole into one plain model."""
+    parlib.launch(_fake_step_fsdp_gpt, str(tmp_path), world_size=4, timeout=120)
+    got = parlib.launch(_tensor_parallel_load_and_save, str(tmp_path), world_size=2,
+                        timeout=120)
+    full = build_model(PIPE_CFG, seed=0)
+    opt = torch.optim.AdamW(full.parameters(), lr=LR)
+    _fake_step(full, opt)
+    dims = got[0]["dims"]
+    assert got[0]["warnings"] == [] == got[1]["warnings"]
+    assert sorted(d for d in dims.values() if d is not None).count(1) == 2 * PIPE_CFG.n_layers
+    for rank, res in enumerate(got):
+        for name, p in full.named_parameters():
+            assert torch.equal(res["weights"][name], shard_of(p.detach(), dims[name], rank, 2))
+            assert torch.equal(res["exp_avg"][name],
+                               shard_of(opt.state[p]["exp_avg"], dims[name], rank, 2)), name
+    plain = build_model(PIPE_CFG, seed=7)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LR)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_checkpoint(tmp_path / "tp", plain, plain_opt)
+    for (name, p), q in zip(full.named_parameters(), plain.parameters()):
+        assert torch.equal(q, p) and torch.equal(plain_opt.state[q]["exp_avg"],
+                                                 opt.state[p]["exp_avg"]), name
