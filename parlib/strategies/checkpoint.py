@@ -60,6 +60,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -400,6 +401,26 @@ def _create_optimizer_state(optimizer: Any, model: nn.Module, metadata: Metadata
             inner.state[p].setdefault(full_key[len(prefix):], value)
 
 
+STEP_PREFIX = "step-"
+
+
+def checkpoint_path(folder: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint taken after ``step`` steps goes: ``folder/step-00000042``."""
+    return Path(folder) / f"{STEP_PREFIX}{step:08d}"
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> tuple[int, Path] | None:
+    """The newest complete checkpoint in ``folder`` (as :func:`checkpoint_path` names them):
+    (its step, its path), or None. DCP writes the ``.metadata`` file last, once every rank
+    has written its shards, so a save cut short by a dead rank has none and is skipped."""
+    found = []
+    for path in Path(folder).glob(f"{STEP_PREFIX}*"):
+        step = path.name[len(STEP_PREFIX):]
+        if step.isdigit() and (path / ".metadata").is_file():
+            found.append((int(step), path))
+    return max(found) if found else None
+
+
 def _listed(keys: list[str]) -> str:
     return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
@@ -429,6 +450,7 @@ def _check_keys(state: dict[str, Any], metadata: Metadata, path: Any,
                                  f"{path}, {tuple(value.shape)} here: another model's")
 
 
-__all__ = ["CountingLoadPlanner", "FlatPiece", "SavedObject", "async_save_checkpoint",
-           "checkpoint_state", "load_checkpoint", "model_pieces", "optimizer_state",
+__all__ = ["CountingLoadPlanner", "FlatPiece", "RowsOfColumnsPiece", "STEP_PREFIX",
+           "SavedObject", "async_save_checkpoint", "checkpoint_path", "checkpoint_state",
+           "latest_checkpoint", "load_checkpoint", "model_pieces", "optimizer_state",
            "save_checkpoint"]

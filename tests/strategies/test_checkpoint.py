@@ -28,7 +28,9 @@ from parlib import cost, verify
 from parlib.model import ModelConfig, build_model
 from parlib.strategies.checkpoint import (
     async_save_checkpoint,
+    checkpoint_path,
     checkpoint_state,
+    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
@@ -473,3 +475,16 @@ def test_fsdp_on_four_into_tensor_parallel_on_two_and_back_to_one(tmp_path):
     for (name, p), q in zip(full.named_parameters(), plain.parameters()):
         assert torch.equal(q, p) and torch.equal(plain_opt.state[q]["exp_avg"],
                                                  opt.state[p]["exp_avg"]), name
+
+
+def test_latest_checkpoint_skips_a_save_a_dead_rank_cut_short(tmp_path):
+    """A save that never wrote its .metadata (a rank died during it) is not resumed from."""
+    assert latest_checkpoint(tmp_path) is None
+    for step, complete in [(2, True), (10, True), (12, False)]:
+        path = checkpoint_path(tmp_path, step)
+        path.mkdir()
+        (path / "__0_0.distcp").write_bytes(b"shard")
+        if complete:
+            (path / ".metadata").write_bytes(b"")
+    (tmp_path / "step-notanumber").mkdir()
+    assert latest_checkpoint(tmp_path) == (10, tmp_path / "step-00000010")
