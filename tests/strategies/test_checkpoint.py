@@ -12,6 +12,8 @@ strategy or model is refused by name.
 from __future__ import annotations
 
 import math
+import os
+import signal
 import warnings
 from typing import Any
 
@@ -488,3 +490,40 @@ def test_latest_checkpoint_skips_a_save_a_dead_rank_cut_short(tmp_path):
             (path / ".metadata").write_bytes(b"")
     (tmp_path / "step-notanumber").mkdir()
     assert latest_checkpoint(tmp_path) == (10, tmp_path / "step-00000010")
+
+
+SAVE_EVERY, DIES_BEFORE = 2, 5  # checkpoints after 2, 4, 6 steps; rank 2 killed in the 6th
+
+
+def _train_saving_every_two_steps(folder: str, strategy: str, kill: bool) -> dict:
+    """Resume from the newest complete checkpoint in ``folder`` if any; train to K, saving
+    every SAVE_EVERY steps; with ``kill``, rank 2 is killed (SIGKILL) as the sixth step
+    (index DIES_BEFORE) begins."""
+    rank = dist.get_rank()
+    model, opt = build(strategy, rank)
+    found = latest_checkpoint(folder)
+    start = load_checkpoint(found[1], model, opt)["step"] if found else 0
+    for step in range(start, K):
+        if kill and step == DIES_BEFORE and rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        train(model, opt, range(step, step + 1))
+        if (step + 1) % SAVE_EVERY == 0:
+            save_checkpoint(checkpoint_path(folder, step + 1), model, opt,
+                            extra={"step": step + 1})
+    return {"start": start, "weights": weights(model)}
+
+
+def test_a_killed_rank_is_named_and_the_next_launch_resumes_to_the_same_weights(runs,
+                                                                                tmp_path):
+    """The failure names rank 2; relaunched, the run resumes from the checkpoint taken after
+    four steps (redoing the fifth, the work lost) and ends bit-exactly where the run that
+    never failed ended."""
+    with pytest.raises(parlib.RankError, match="rank 2"):
+        parlib.launch(_train_saving_every_two_steps, str(tmp_path), "fsdp", True,
+                      world_size=4, timeout=120)
+    assert latest_checkpoint(tmp_path)[0] == DIES_BEFORE - 1
+    got = parlib.launch(_train_saving_every_two_steps, str(tmp_path), "fsdp", False,
+                        world_size=4, timeout=120)[0]
+    assert got["start"] == DIES_BEFORE - 1
+    want = runs[1][4]["fsdp"]["whole"]["weights"][-1]
+    assert all(torch.equal(got["weights"][k], want[k]) for k in want)
