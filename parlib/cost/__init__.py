@@ -12,6 +12,8 @@
 - :mod:`parlib.cost.sharded`: bytes a ZeRO stage sends per step (shards padded to N pieces).
 - :mod:`parlib.cost.context`: ring and all-gather attention bytes, activation memory per
   context-parallel rank, causal work per rank.
+- :mod:`parlib.cost.checkpoint`: bytes a checkpoint writes per rank and in total under each
+  strategy, and the checkpoint interval that loses least time (Young/Daly).
 - :mod:`parlib.cost.experts`: mixture-of-experts parameters per ep rank, all-to-all bytes,
   capacity and dropped tokens, compute per token, load imbalance.
 
@@ -33,6 +35,14 @@ Each formula is written once, in the module named for it; the estimate and the p
 those functions rather than restating them.
 """
 
+from parlib.cost.checkpoint import (
+    CheckpointBytes,
+    checkpoint_bytes,
+    checkpoint_overhead_per_hour,
+    flat_shard_range,
+    reshard_reads,
+    young_daly_interval,
+)
 from parlib.cost.collectives import (
     bus_bandwidth,
     collective_time,
@@ -176,4 +186,11 @@ __all__ = [
     "stage_imbalance",
     "stage_layers",
     "binding_constraint",
+    # long runs: checkpoints
+    "CheckpointBytes",
+    "checkpoint_bytes",
+    "checkpoint_overhead_per_hour",
+    "flat_shard_range",
+    "reshard_reads",
+    "young_daly_interval",
 ]

@@ -1,8 +1,10 @@
 """Ways to split training over ranks, one module per parallelism: ``data`` with
 ``data_parallel`` and ``zero`` (ZeRO-1), ``sharded`` with ``fsdp`` (ZeRO-3) and ``Zero2``,
 ``tensor`` with ``tensor_ops``, ``pipeline`` with ``schedules`` and ``schedule_check``,
-``context`` with ``context_ops`` (ring attention), ``experts`` (expert parallelism), and
-``combined`` on a ``mesh``: the code a reader could lift into a training script. They
+``context`` with ``context_ops`` (ring attention), ``experts`` (expert parallelism),
+``combined`` on a ``mesh``, and for long runs ``checkpoint`` (sharded save and load with
+``torch.distributed.checkpoint``, resharding) and ``token_loss`` (the loss normalised by the
+global count of real tokens): the code a reader could lift into a training script. They
 import only torch, :mod:`parlib.comm`, the pure formulas of :mod:`parlib.cost`,
 :mod:`parlib.model` and each other; measuring them is :mod:`parlib.experiments`' job.
 """

@@ -120,7 +120,9 @@ class Zero1(torch.optim.Optimizer):
 
     ``state_dict()`` is **sharded**: each rank saves its own slice of the optimizer state
     (and the hyperparameters); ``load_state_dict`` takes it back on the same rank of a run with
-    the same world size and parameters, and refuses anything else.
+    the same world size and parameters, and refuses anything else. To resume on another number
+    of ranks, :func:`parlib.strategies.checkpoint.save_checkpoint` / ``load_checkpoint``
+    (DCP) reshard it.
     """
 
     def __init__(
@@ -216,7 +218,9 @@ class Zero1(torch.optim.Optimizer):
         if layout != self._layout():
             raise ValueError(f"Zero1.load_state_dict: this state was saved with layout {layout}, "
                              f"this optimizer has {self._layout()} (state is sharded per rank: "
-                             "load it on the same rank, world size and parameters)")
+                             "load it on the same rank, world size and parameters; to resume "
+                             "on another world size, save with parlib.strategies.checkpoint."
+                             "save_checkpoint and load with its load_checkpoint)")
         saved = state_dict["param_groups"]
         if [len(g["params"]) for g in saved] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("Zero1.load_state_dict: parameter groups do not match")
