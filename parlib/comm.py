@@ -1,4 +1,5 @@
-"""Collectives under the names every torch version knows, and this rank's place in a group.
+"""Collectives under the names every torch version knows, this rank's place in a group, and
+the ranks' agreement on their settings.
 
 torch 2.13 renamed ``reduce_scatter_tensor`` to ``reduce_scatter_single`` and
 ``all_gather_into_tensor`` to ``all_gather_single`` and deprecates the old names. This is
@@ -6,11 +7,18 @@ the only module that knows: the rest of parlib, and the learner's code, call
 :func:`reduce_scatter` and :func:`all_gather`, which pick whichever this torch has, so the
 same code runs on an older cluster. :func:`quiet_renames` hides the deprecation warnings
 that torch's own code (FSDP, DTensor) still triggers through the old names.
+
+:func:`agree` is the one set-up check the strategies share: the ranks exchange their
+settings (shapes, dtypes, counts) once, and a mismatch raises the same message on every
+rank, instead of the backend's size-mismatch abort, a hang or a silent wrong answer.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -74,6 +82,77 @@ def _ranks_of(group: Any) -> str:
     return str(dist.get_process_group_ranks(group))
 
 
+_bookkeeping = threading.local()
+
+
+@contextmanager
+def bookkeeping() -> Iterator[None]:
+    """Mark the collectives of the block as parlib's own checks, not a strategy's traffic:
+    parlib's communication logs (``parlib.measure``) leave them out, so a log shows the
+    messages the cost model predicts."""
+    _bookkeeping.depth = getattr(_bookkeeping, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _bookkeeping.depth -= 1
+
+
+def in_bookkeeping() -> bool:
+    """Whether this thread is inside :func:`bookkeeping`."""
+    return getattr(_bookkeeping, "depth", 0) > 0
+
+
+_AGREED: dict[tuple[str, int], Any] = {}  # (what, id(group)) -> group, for once=True
+
+
+def agree(what: str, group: Any, settings: Mapping[str, tuple[Any, str]],
+          payload: Any = None, *, once: bool = False) -> list[Any]:
+    """Check that every rank of ``group`` passes the same settings, once, before a
+    strategy's first message: a mismatch would otherwise end in the backend's size-mismatch
+    abort, a hang, or a silent wrong answer.
+
+    ``settings``: name (the argument, as the learner wrote it) -> (this rank's value, the
+    fix). Every rank calls it (one ``all_gather_object``, left out of communication logs);
+    on a mismatch every rank raises the same ``ValueError``, naming ``what``, the first
+    setting that differs, each rank's value (global ranks) and the fix. Returns every
+    rank's ``payload`` in group order (for a check of its own, such as a whole schedule).
+
+    ``once=True``: only on this process's first call of ``what`` with ``group`` (for a
+    function called every step, where the first call is the set-up); every rank makes the
+    same number of calls, so every rank skips or checks alike."""
+    _, size = rank_and_size(group, what)
+    key = (what, id(group))
+    if size == 1 or (once and key in _AGREED):
+        return [payload]
+    mine = {name: value for name, (value, _) in settings.items()}
+    every: list[Any] = [None] * size
+    with bookkeeping():
+        dist.all_gather_object(every, (mine, payload), group=group)
+    for name, (_, fix) in settings.items():
+        values = [theirs[name] for theirs, _ in every]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"{what}: {name} differs across the ranks of its group "
+                             f"({_by_rank(values, group)}); {fix}")
+    if once:
+        _AGREED[key] = group  # held, so that its id is not reused by another group
+    return [theirs for _, theirs in every]
+
+
+def _by_rank(values: list[Any], group: Any) -> str:
+    """'rank 0: 4, rank 1: 3' (global ranks), ranks with equal values together."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    seen: list[tuple[Any, list[int]]] = []
+    for rank, value in zip(ranks, values):
+        for known, members in seen:
+            if known == value:
+                members.append(rank)
+                break
+        else:
+            seen.append((value, [rank]))
+    return ", ".join(f"rank{'s' if len(m) > 1 else ''} {', '.join(map(str, m))}: {v!r}"
+                     for v, m in seen)
+
+
 def quiet_renames() -> None:
     """Hide torch 2.13's deprecation warnings for the two renamed collectives."""
     warnings.filterwarnings(
@@ -82,4 +161,5 @@ def quiet_renames() -> None:
     )
 
 
-__all__ = ["all_gather", "quiet_renames", "rank_and_size", "reduce_scatter"]
+__all__ = ["agree", "all_gather", "bookkeeping", "in_bookkeeping", "quiet_renames",
+           "rank_and_size", "reduce_scatter"]

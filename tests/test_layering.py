@@ -23,7 +23,7 @@ ALLOWED = {
     "parlib.cost": set(),
     "parlib.comm": set(),
     "parlib.runtime": {"parlib.comm"},
-    "parlib.measure": {"parlib.cost"},
+    "parlib.measure": {"parlib.cost", "parlib.comm"},
     "parlib.model": {"parlib.cost"},
     "parlib.chapters": set(),
     "parlib.strategies": {"parlib.cost", "parlib.comm", "parlib.model", "parlib.chapters"},

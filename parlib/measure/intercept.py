@@ -16,7 +16,9 @@ rest of the chain and the real call, and returns what ``proceed()`` returned (or
 wrapper of it). The observer subscribed last is the outermost, so a log opened inside an
 emulated slow link sees the emulated time. A call made inside another intercepted call
 (``all_gather_into_tensor`` forwarding to its new name, ``batch_isend_irecv`` calling
-``isend``) is seen once, as the outer one.
+``isend``) is seen once, as the outer one. The collectives of parlib's own agreement
+checks (inside :func:`parlib.comm.bookkeeping`: settings compared once at set-up) are not
+a strategy's traffic and are not reported.
 
 :func:`spying` is the deeper hook the checks use: it reports every operation that reached a
 ``ProcessGroup`` method or a ``torch.ops._c10d_functional`` op, whoever issued it.
@@ -37,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from parlib.comm import in_bookkeeping
 from parlib.cost import predicted_sent_bytes
 
 
@@ -238,7 +241,7 @@ def _wrap(name: str, original: Callable, read: Callable[[str, dict], Call]) -> C
     @functools.wraps(original)
     def intercepted(*args: Any, **kwargs: Any) -> Any:
         chain = list(_observers)
-        if getattr(_local, "depth", 0) or not chain:
+        if getattr(_local, "depth", 0) or not chain or in_bookkeeping():
             return original(*args, **kwargs)
         try:
             bound = signature.bind(*args, **kwargs)
@@ -378,7 +381,7 @@ _spied: list[tuple[Any, str, Any, bool]] = []  # (owner, name, value, was_own_at
 
 def _spy(op: str, original: Callable) -> Callable:
     def spy(*args: Any, **kwargs: Any) -> Any:
-        for report in list(_spies):
+        for report in [] if in_bookkeeping() else list(_spies):
             report(op)
         return original(*args, **kwargs)
 

@@ -43,7 +43,7 @@ def build_3d(mesh: Mesh, cfg: ModelConfig | None = None, seed: int = 0,
     if cfg.n_layers % mesh.pp:
         raise ValueError(f"pp={mesh.pp} does not divide the model's {cfg.n_layers} layers")
     stage = Stage(build_model(cfg, seed), mesh.coord("pp"), mesh.pp, mesh.pp_prev,
-                  mesh.pp_next)
+                  mesh.pp_next, mesh.group("pp"))
     if mesh.tp > 1:
         # Same attribute names, so Stage's local-to-global parameter names still hold.
         stage.blocks = nn.ModuleList(tensor_parallel_block(b, mesh.group("tp"))

@@ -206,9 +206,12 @@ class RingAttention(Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *,
                    causal: bool = True, layout: str = "contiguous") -> torch.Tensor:
     """Attention over the whole sequence of this rank's queries, q, k, v (b, a, s/cp, d),
-    the sequence split over ``group`` in ``layout``; returns (b, a, s/cp, d)."""
+    the sequence split over ``group`` in ``layout``; returns (b, a, s/cp, d). The first
+    call with ``group`` checks that its ranks agree on the shapes, dtype, ``causal`` and
+    ``layout`` (:func:`parlib.comm.agree`), raising on every rank if not."""
     comm.rank_and_size(group, "ring_attention", allow_none=False)
     _check_shapes(q, k, v)
+    _agree_across_ranks("ring_attention", q, group, causal, layout)
     return RingAttention.apply(q, k, v, group, causal, layout)
 
 
@@ -216,6 +219,26 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or q.shape != k.shape or k.shape != v.shape:
         raise ValueError("q, k and v must all be (b, heads, s_local, head_dim), got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _agree_across_ranks(what: str, q: torch.Tensor, group: Any, causal: bool,
+                        layout: str) -> None:
+    """On the first call with ``group``: the ranks' shapes, dtype, mask and layout agree
+    (otherwise gloo aborts on a size mismatch, or a differing mask runs silently)."""
+    b, heads, s_local, head_dim = q.shape
+    comm.agree(what, group, {
+        "the local sequence length (q.shape[-2])": (
+            s_local, "every rank must hold as many positions: cut one sequence whose "
+            "length divides into cp chunks (2 x cp for zigzag) with split_sequence"),
+        "(batch, heads, head_dim) of q, k, v": (
+            (b, heads, head_dim), "every rank must pass the same batch, heads and head_dim"),
+        "the dtype of q, k, v": (q.dtype, "cast q, k and v to one dtype on every rank"),
+        "causal": (causal, "pass the same causal= on every rank (one mask over the whole "
+                   "sequence)"),
+        "layout": (layout, "pass every rank the layout= split_sequence cut with"),
+    }, once=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -245,9 +268,11 @@ class AllGatherKV(Function):
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *,
                          causal: bool = True, layout: str = "contiguous") -> torch.Tensor:
     """The simple way: gather all of K and V, then attend the local queries
-    (b, a, s/cp, d) over the whole sequence; returns (b, a, s/cp, d)."""
+    (b, a, s/cp, d) over the whole sequence; returns (b, a, s/cp, d). The first call with
+    ``group`` checks its ranks' settings, as :func:`ring_attention` does."""
     rank, cp = comm.rank_and_size(group, "all_gather_attention", allow_none=False)
     _check_shapes(q, k, v)
+    _agree_across_ranks("all_gather_attention", q, group, causal, layout)
     seq_len = q.shape[-2] * cp
     every = AllGatherKV.apply(torch.stack([k, v]), group)  # (cp, 2, b, a, s/cp, d)
     k_all = torch.cat(list(every[:, 0]), dim=-2)  # (b, a, s, d), blocks in rank order

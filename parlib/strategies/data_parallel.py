@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from parlib.comm import rank_and_size
 from parlib.strategies.data import SYNC_KINDS, Overlapped, gradient_sync
-from parlib.strategies.zero import broadcast_tensors
+from parlib.strategies.zero import agree_on_model, broadcast_tensors
 
 SYNCS = (*SYNC_KINDS, None)
 
@@ -72,6 +72,7 @@ class DataParallel(nn.Module):
         rank_and_size(group, "DataParallel")
         self.module = module
         self.group = group
+        agree_on_model("DataParallel", module, group)
         broadcast_tensors([*params, *module.buffers()], broadcast_from, group)
 
         trainable = [p for p in params if p.requires_grad]

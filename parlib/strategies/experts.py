@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Function
 
-from parlib.comm import rank_and_size
+from parlib.comm import agree, rank_and_size
 from parlib.model import MoE, Routing, TinyGPT, route
 
 
@@ -95,13 +95,16 @@ class ExpertParallelMoE(nn.Module):
 
     ``experts`` is an ``nn.ModuleDict`` keyed by the global expert index, so parameter
     names are those of the single-device :class:`parlib.model.MoE`
-    (``experts.5.up.weight``): this rank's are a subset of them."""
+    (``experts.5.up.weight``): this rank's are a subset of them. Every rank of ``group``
+    builds it together, checking that they agree on n_experts, top_k, capacity_factor and
+    d_model."""
 
     def __init__(self, moe: MoE, group: Any) -> None:
         super().__init__()
         self.rank, self.ep = rank_and_size(group, "ExpertParallelMoE", allow_none=False)
         self.group = group
         self.n_experts = len(moe.experts)
+        _agree_on_layer(moe, group)
         self.mine = experts_of_rank(self.rank, self.ep, self.n_experts)
         self.top_k, self.capacity_factor = moe.top_k, moe.capacity_factor
         self.router = moe.router
@@ -134,6 +137,19 @@ class ExpertParallelMoE(nn.Module):
         out = torch.zeros_like(tokens).index_add(0, plan["token"],
                                                  returned * plan["weight"][:, None])
         return out.view_as(x)
+
+
+def _agree_on_layer(moe: MoE, group: Any) -> None:
+    """The ranks' MoE layers route alike (else the counts' all-to-all aborts on a size
+    mismatch, or tokens go to experts another rank does not have)."""
+    same_config = "build every rank's model from the same ModelConfig"
+    agree("ExpertParallelMoE", group, {
+        "n_experts": (len(moe.experts), f"{same_config}(n_experts=E, ...)"),
+        "top_k": (moe.top_k, f"{same_config}(top_k=...)"),
+        "capacity_factor": (moe.capacity_factor, f"{same_config}(capacity_factor=...)"),
+        "d_model (the router's input width)": (moe.router.in_features,
+                                               f"{same_config}(d_model=...)"),
+    })
 
 
 def expert_parallel_copy(model: TinyGPT, group: Any) -> TinyGPT:

@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from parlib.comm import all_gather, rank_and_size, reduce_scatter
-from parlib.strategies.zero import broadcast_tensors
+from parlib.strategies.zero import agree_on_model, broadcast_tensors
 
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 
@@ -198,17 +198,42 @@ def _default_units(module: nn.Module) -> list[str]:
             if isinstance(child, nn.ModuleList) for i in range(len(child))]
 
 
+def unit_names_of(module: nn.Module, units: list[str] | None) -> list[str]:
+    """``units=`` checked: names of submodules that run a forward of their own. A container
+    (``nn.ModuleList``, ``nn.ModuleDict``) never does, so its weights would never be
+    gathered: it is refused, naming its children to pass instead."""
+    if units is None:
+        return _default_units(module)
+    if isinstance(units, str) or not all(isinstance(u, str) for u in units):
+        raise TypeError(f"FSDP: units takes a list of submodule names, e.g. ['blocks.0', "
+                        f"'blocks.1'] (the default: every block), got {units!r}")
+    for name in units:
+        sub = module.get_submodule(name)
+        if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
+            children = [f"{name}.{child}" for child, _ in sub.named_children()]
+            shown = ", ".join(map(repr, children[:3])) + (", ..." if len(children) > 3 else "")
+            raise ValueError(
+                f"FSDP: units names {name!r}, an nn.{type(sub).__name__}: a container never "
+                f"runs forward itself, so its weights would never be gathered. Pass its "
+                f"blocks, units=[{shown}], or leave units=None (every child of every "
+                f"ModuleList)")
+    return list(units)
+
+
 class FSDP(nn.Module):
     """Shard ``module`` over ``group`` (default: all ranks), ZeRO-3 style; see the module
     docstring. ``units``: names of submodules gathered one at a time (default: every child of
-    every ``nn.ModuleList``, the blocks); the rest is the root unit. ``compute_dtype``:
+    every ``nn.ModuleList``, the blocks); the rest is the root unit. Name the blocks
+    themselves (``["blocks.0", "blocks.1"]``): their ``nn.ModuleList`` never runs forward, so
+    ``units=["blocks"]`` is refused. ``compute_dtype``:
     ``torch.bfloat16`` or ``torch.float16`` for mixed precision (weights cast before the
     all-gather; shards, optimizer state and shard gradients stay fp32). Frozen parameters
     and buffers stay whole on every rank (cast to the compute dtype for the forward).
     ``replicate``: trainable parameters not worth sharding, kept whole on every rank (fp32,
     cast for the forward) and their gradients averaged by one all-reduce in
     :meth:`finish_gradient_synchronization`: a rule's name (``"norms_and_biases"``,
-    :func:`norms_and_biases`), any ``(name, param) -> bool``, or a collection of names."""
+    :func:`norms_and_biases`), any ``(name, param) -> bool``, or a collection of names.
+    Every rank must wrap the same model (names and shapes, checked before the broadcast)."""
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  units: list[str] | None = None, prefetch: bool = False,
@@ -237,11 +262,12 @@ class FSDP(nn.Module):
         if backend == "nccl" and next(iter(devices)).type != "cuda":
             raise ValueError("FSDP: the process group is NCCL but the module is on the CPU")
         keep = replicate_rule(replicate, module)  # refused before any collective
+        unit_names = unit_names_of(module, units)
         self.group, self.dtype = group, compute_dtype or torch.float32
         self.prefetch, self.recompute = prefetch, recompute
+        agree_on_model("FSDP", module, group)
         broadcast_tensors(tensors, broadcast_from, group)  # rank 0's weights everywhere
         self.full_names = [n for n, _ in module.named_parameters()]  # tied ones once
-        unit_names = _default_units(module) if units is None else list(units)
         owner_of: dict[int, str] = {}  # parameter id -> unit ("" is the root)
         for uname in unit_names:
             for p in module.get_submodule(uname).parameters():

@@ -51,8 +51,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parlib.comm import rank_and_size
+from parlib.comm import agree, rank_and_size
 from parlib.model import ModelConfig, TinyGPT, build_model, loss_fn
+from parlib.strategies.schedule_check import ScheduleError, validate
 from parlib.strategies.schedules import BACKWARD, FORWARD, WEIGHT, Op
 
 # --------------------------------------------------------------------------- stages
@@ -75,10 +76,12 @@ def partition(n_layers: int, p: int) -> list[range]:
 class Stage(nn.Module):
     """Rank ``rank``'s consecutive slice of a :class:`TinyGPT`: the embedding on the first
     stage, its blocks, the head on the last. ``stage(x)`` runs them in order (tokens in on
-    the first stage, hidden states in otherwise; logits out on the last)."""
+    the first stage, hidden states in otherwise; logits out on the last). ``group``: the
+    pipeline's process group (None: the default group), whose ranks check the schedule
+    together before a step."""
 
     def __init__(self, model: TinyGPT, rank: int, p: int, prev_rank: int | None = None,
-                 next_rank: int | None = None) -> None:
+                 next_rank: int | None = None, group: Any = None) -> None:
         super().__init__()
         if not 0 <= rank < p:
             raise ValueError(f"rank must be in [0, {p}), got {rank}")
@@ -88,6 +91,7 @@ class Stage(nn.Module):
         # Global ranks of the neighbouring stages (None at the ends): in a pipeline group of
         # a larger mesh they are not rank - 1 and rank + 1.
         self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.group = group
         self.layer_ids = partition(model.cfg.n_layers, p)[rank]
         self.embed = model.embed if rank == 0 else None
         self.blocks = nn.ModuleList(model.blocks[i] for i in self.layer_ids)
@@ -153,7 +157,7 @@ def build_stage(cfg: ModelConfig | None = None, seed: int = 0, rank: int | None 
         p = size if p is None else p
         if (rank, p) == (mine, size):
             peers = pipeline_peers(group)
-    stage = Stage(build_model(cfg, seed), rank or 0, p or 1, *peers)
+    stage = Stage(build_model(cfg, seed), rank or 0, p or 1, *peers, group=group)
     return stage.to(device) if device is not None else stage
 
 
@@ -189,10 +193,11 @@ class ChunkedStage(nn.Module):
 
 
 def chunk_stages(model: TinyGPT, rank: int, p: int, v: int,
-                 peers: Sequence[int] | None = None) -> ChunkedStage:
+                 peers: Sequence[int] | None = None, group: Any = None) -> ChunkedStage:
     """Rank ``rank``'s v chunks of ``model`` in a pipeline of p ranks: the L blocks cut
     p*v ways, chunk c is virtual stage c*p + rank. ``peers``: the global rank of each
-    pipeline index (default: index i is global rank i)."""
+    pipeline index (default: index i is global rank i); ``group``: the pipeline's process
+    group (None: the default group)."""
     if v < 1:
         raise ValueError(f"v (model chunks per rank) must be >= 1, got {v}")
     if not 0 <= rank < p:
@@ -209,7 +214,7 @@ def chunk_stages(model: TinyGPT, rank: int, p: int, v: int,
     for c in range(v):
         s = c * p + rank
         stage = Stage(model, s, n, peers[(s - 1) % p] if s > 0 else None,
-                      peers[(s + 1) % p] if s < n - 1 else None)
+                      peers[(s + 1) % p] if s < n - 1 else None, group)
         stage.chunk = c
         chunks.append(stage)
     return ChunkedStage(chunks, rank, p)
@@ -229,7 +234,7 @@ def build_chunks(cfg: ModelConfig | None = None, seed: int = 0, rank: int | None
         p = size if p is None else p
         if p == size:
             peers = [dist.get_global_rank(group, i) for i in range(size)]
-    chunked = chunk_stages(build_model(cfg, seed), rank or 0, p or 1, v, peers)
+    chunked = chunk_stages(build_model(cfg, seed), rank or 0, p or 1, v, peers, group)
     return chunked.to(device) if device is not None else chunked
 
 
@@ -283,6 +288,50 @@ def _chunks_of(stage: Stage | ChunkedStage | Sequence[Stage]) -> list[Stage]:
     return chunks
 
 
+def _pipeline_group(stage: Stage, p: int) -> Any:
+    """The process group of the pipeline ``stage`` belongs to, with exactly p ranks."""
+    group = stage.group if stage.group is not None else dist.group.WORLD
+    _, size = rank_and_size(group, "run_schedule")
+    if size != p:
+        where = "its pipeline group" if stage.group is not None else "the default group"
+        raise ValueError(
+            f"run_schedule: rank {dist.get_rank()} holds stage {stage.rank % p} of a pipeline "
+            f"built for p={p} ranks, but {where} has {size}: build the stage for the ranks "
+            f"that run it (build_stage(cfg, seed, group=g) takes rank and p from g) or run "
+            f"it on {p} ranks")
+    return group
+
+
+def _check_whole_schedule(chunks: list[Stage], ops: Sequence[Op], m: int) -> None:
+    """Before any message: the pipeline's ranks agree on m and p, rank i holds stage i,
+    and their op lists together pass validate (a deadlock raises instead of hanging)."""
+    v = len(chunks)
+    if chunks[0].p % v:
+        raise ValueError(f"{v} chunks per rank but {chunks[0].p} virtual stages: build the "
+                         f"chunks with build_chunks (p*v virtual stages)")
+    p = chunks[0].p // v
+    if p == 1:  # every stage on this rank: nothing to agree on
+        sched = {0: list(ops)}
+    else:
+        group = _pipeline_group(chunks[0], p)
+        every = agree("run_schedule", group, {
+            "m": (m, "pass every rank the same m (microbatches per step)"),
+            "the stages per rank (v)": (v, "build every rank's chunks with the same v"),
+        }, payload=(chunks[0].rank % p, list(ops)))
+        held = [stage for stage, _ in every]
+        if held != list(range(p)):
+            raise ValueError(f"run_schedule: the pipeline group's ranks hold stages {held}, "
+                             f"in group order; rank i must hold stage i (build_stage(cfg, "
+                             f"seed, group=g) without rank= builds it so)")
+        sched = dict(every)
+    try:
+        validate(sched, p, m, v)
+    except ScheduleError as err:
+        raise ScheduleError(f"run_schedule: the ranks' op lists, checked together before "
+                            f"any message, cannot run: {err}", problem=err.problem,
+                            rank=err.rank, index=err.index, op=err.op) from None
+
+
 def run_schedule(
     stage: Stage | ChunkedStage | Sequence[Stage],
     ops: Sequence[Op],
@@ -302,9 +351,11 @@ def run_schedule(
     by m, so the accumulated gradients equal the full-batch gradients. Gradients are
     accumulated into ``.grad`` (zero them before the step). Returns the full-batch loss on
     the rank holding the last stage, None elsewhere. Raises ``RuntimeError`` when a
-    neighbour sends another microbatch than the one this rank's next op expects. Check
-    the whole schedule first with :func:`parlib.strategies.schedule_check.validate`: one
-    it accepts runs to its end on every rank.
+    neighbour sends another microbatch than the one this rank's next op expects. Before
+    any message the ranks of the stage's pipeline group exchange their ``m`` and op lists
+    (one ``all_gather_object``) and check the whole schedule with
+    :func:`parlib.strategies.schedule_check.validate`: a schedule that would hang or
+    mismatch raises its :class:`ScheduleError` on every rank instead.
     """
     chunks = _chunks_of(stage)
     v = len(chunks)
@@ -320,14 +371,12 @@ def run_schedule(
                 f"op {i} ({op!r}) runs chunk {op.chunk}, but this rank has {v} chunk(s)"
                 + ("; run_schedule runs one chunk per Stage: build the chunks of an "
                    "interleaved schedule with build_chunks(cfg, seed, v=...)" if v == 1 else ""))
+    _check_whole_schedule(chunks, ops, m)
     hooks = hooks or PipelineHooks()
     device = next(chunks[0].parameters()).device
     xs = microbatches(tokens, m)
     ys = microbatches(targets, m)
     shape = chunks[0].activation_shape(xs[0].shape[0])  # (b/m, s, h)
-    if chunks[0].p % v:
-        raise ValueError(f"{v} chunks per rank but {chunks[0].p} virtual stages: build the "
-                         f"chunks with build_chunks (p*v virtual stages)")
     p_ranks = chunks[0].p // v  # virtual stage s = c*p + r: a neighbour's chunk is (s +- 1) // p
     inputs: dict[tuple[int, int], torch.Tensor] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}

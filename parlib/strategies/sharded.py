@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from parlib.comm import all_gather, rank_and_size, reduce_scatter
 from parlib.strategies.fsdp import FSDP, GatherUnit, Unit
-from parlib.strategies.zero import FlatShard, broadcast_tensors
+from parlib.strategies.zero import FlatShard, agree_on_model, broadcast_tensors
 
 
 def unit_params(model: nn.Module, units: list[str] | None = None) -> list[list[torch.Tensor]]:
@@ -73,7 +73,8 @@ class Zero2:
     """ZeRO-2 on ``model`` over ``group`` with the elementwise optimizer ``optimizer_cls``
     (``**defaults``: its hyperparameters); see the module docstring. ``units``: submodule
     names whose gradients are reduce-scattered together (default: the blocks), best listed in
-    forward order: they are reduced in the reverse order, and one waits for those before it."""
+    forward order: they are reduced in the reverse order, and one waits for those before it.
+    Every rank must wrap the same model (names and shapes, checked before the broadcast)."""
 
     def __init__(self, model: nn.Module,
                  optimizer_cls: Callable[..., torch.optim.Optimizer] = torch.optim.Adam, *,
@@ -81,6 +82,7 @@ class Zero2:
                  **defaults: Any) -> None:
         self.rank, self.world_size = rank_and_size(group, "Zero2")
         self.group = group
+        agree_on_model("Zero2", model, group)
         broadcast_tensors([*model.parameters(), *model.buffers()], broadcast_from, group)
         groups = unit_params(model, units)
         if not groups:

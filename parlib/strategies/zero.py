@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
-from parlib.comm import all_gather, rank_and_size, reduce_scatter
+from parlib.comm import agree, all_gather, rank_and_size, reduce_scatter
 
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int, group: Any = None) -> None:
@@ -41,6 +42,32 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], src: int, group: Any = No
             dist.broadcast(buf, src=src, group=group)
             if buf.data_ptr() != t.data_ptr():
                 t.copy_(buf)
+
+
+def agree_on_model(what: str, module: nn.Module, group: Any = None) -> None:
+    """Before the first broadcast: every rank of ``group`` wraps the same model (names,
+    shapes and dtypes of its parameters and buffers), else the broadcast aborts on a size
+    mismatch, or pairs one rank's tensor with another's of the same size."""
+    mine = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t in [*module.named_parameters(), *module.named_buffers()]]
+    every = agree(what, group, {}, payload=mine)
+    other = next((j for j, theirs in enumerate(every) if theirs != every[0]), None)
+    if other is None:
+        return
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    first, theirs = every[0], every[other]
+    i = next((i for i, (a, b) in enumerate(zip(first, theirs)) if a != b),
+             min(len(first), len(theirs)))
+
+    def tensor(sig: list[tuple[str, tuple[int, ...], str]]) -> str:
+        return f"{sig[i][0]!r} {sig[i][1]} {sig[i][2]}" if i < len(sig) else "nothing"
+
+    raise ValueError(
+        f"{what}: the model differs across the ranks of its group: rank {ranks[0]} has "
+        f"{len(first)} parameters and buffers, rank {ranks[other]} has {len(theirs)}; the first "
+        f"difference (tensor {i}): {tensor(first)} on rank {ranks[0]}, {tensor(theirs)} on "
+        f"rank {ranks[other]}. Wrap the same model on every rank (same class and config; "
+        f"only its weights may differ: {what} copies them from one rank to the others)")
 
 
 class FlatShard:
@@ -199,4 +226,4 @@ class Zero1(torch.optim.Optimizer):
             self.optimizer.load_state_dict(state_dict["shards"])
 
 
-__all__ = ["FlatShard", "Zero1", "broadcast_tensors"]
+__all__ = ["FlatShard", "Zero1", "agree_on_model", "broadcast_tensors"]

@@ -14,6 +14,7 @@ from parlib.measure.timeline import align, makespan
 from parlib.model import ModelConfig, build_model, make_batch
 from parlib.strategies import pipeline
 from parlib.strategies import schedules as S
+from parlib.strategies.schedule_check import ScheduleError
 from parlib.strategies.schedules import Op
 
 CFG = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=2, n_layers=4)
@@ -152,10 +153,11 @@ def test_slow_stage_sets_the_pace():
 
 def test_neighbours_that_order_microbatches_differently_get_a_clear_error():
     # Each op list is valid on its own; together they would pair rank 0's microbatch 0
-    # with rank 1's microbatch 1. That must be an error naming both, never silent.
+    # with rank 1's microbatch 1. That must be an error naming both, never silent: the
+    # ranks check their op lists together before any message.
     from tests.helpers.rank_fns import pipeline_mixed_orders
 
-    with pytest.raises(parlib.RankError, match=r"(?s)microbatch 1.*microbatch 0"):
+    with pytest.raises(parlib.RankError, match=r"(?s)F1.*rank 0.*F0.*same microbatch order"):
         parlib.launch(pipeline_mixed_orders, world_size=2, timeout=60)
 
 
@@ -227,8 +229,9 @@ def test_split_backward_and_chunks_on_one_rank_equal_reference():
     same = verify.compare(chunked.grads(), ref["grads"])
     assert same, same
     assert seen.kinds == [(op.kind, op.mb) for op in ops]
-    # a W that never comes leaves weight gradients missing: an error, not a silent step
-    with pytest.raises(RuntimeError, match="never run W"):
+    # a W that never comes leaves weight gradients missing: an error before the step (the
+    # schedule is validated first), not a silent step
+    with pytest.raises(ScheduleError, match=r"W1 never runs"):
         pipeline.run_schedule(chunked, ops[:-1], tokens, targets, 2)
 
 
