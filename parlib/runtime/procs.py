@@ -29,6 +29,7 @@ import psutil
 
 PREFIX = "parlib-"
 _GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _running(pid: int) -> psutil.Process | None:
@@ -41,14 +42,16 @@ def _running(pid: int) -> psutil.Process | None:
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time in hundredths of a second since the epoch (psutil's
-    ``create_time``, fixed for the process's life, so (pid, start time) names one process
-    even after its pid is reused); None if gone or a zombie."""
+    """The process's start time in clock ticks since boot (psutil's ``create_time``, fixed
+    for the process's life, so (pid, start time) names one process even after its pid is
+    reused; in ticks, as the kernel counts it, so every parlib on the machine, old or new,
+    names a process the same way in its temp folders); None if gone or a zombie."""
     proc = _running(pid)
     try:
-        return None if proc is None else round(proc.create_time() * 100)
+        since_boot = None if proc is None else proc.create_time() - psutil.boot_time()
     except psutil.Error:
         return None
+    return None if since_boot is None else round(since_boot * _TICKS_PER_SECOND)
 
 
 def cpu_seconds(pid: int) -> float | None:
