@@ -151,7 +151,9 @@ def working_text(explanation: str, solution: str, after: str = "") -> str:
 _STUCK_WORDS = ("connection closed", "connection reset", "gloo", "broken pipe", "sigabrt")
 
 
-def _stuck(err: RankError) -> bool:
+def rank_error_is_stuck(err: RankError) -> bool:
+    """Does the rank error mean the ranks' communication did not match (a hang, a peer torn
+    down)?"""
     kind = (err.exc_type or "").lower()
     text = f"{err} {err.remote_traceback or ''}".lower()
     if kind == "notimplementederror":
@@ -171,6 +173,8 @@ class RankExercise(Implementation):
     verdict (those marked ``right`` when nothing is wrong). ``hang_hint`` (formatted with
     ``t`` and ``where``), when given, is the verdict for ranks whose collectives did not
     match; without it a rank's failure is read by :func:`verdict_from_rank_error`.
+    ``rank_error(err, world, fn)``, when given, may name a rank's failure first: a
+    (diagnosis, message) out of ``rank_error_names``, or None.
     ``backend``: the process group's (None: :func:`parlib.launch`'s default for the device).
     ``solution`` is the worked answer's code; the working is ``explanation``, the code,
     ``after``."""
@@ -180,7 +184,10 @@ class RankExercise(Implementation):
                  diagnoses: Sequence[Diagnosis], solution: str, explanation: str,
                  after: str = "", where: str = "on {world} ranks", prompt: str,
                  points: float = 1, timeout: float = 120.0, hang_hint: str | None = None,
-                 timeout_hint: str = DEFAULT_TIMEOUT_HINT, backend: str | None = "gloo") -> None:
+                 timeout_hint: str = DEFAULT_TIMEOUT_HINT, backend: str | None = "gloo",
+                 rank_error: Callable[[RankError, World, Callable],
+                                      tuple[str, str] | None] | None = None,
+                 rank_error_names: Sequence[str] = ()) -> None:
         super().__init__(id, self._run, prompt=prompt, points=points, timeout=timeout,
                          timeout_hint=timeout_hint,
                          working=working_text(explanation, solution, after))
@@ -192,10 +199,13 @@ class RankExercise(Implementation):
         self.first_wrong, self.diagnoses = first_wrong, tuple(diagnoses)
         self.solution, self.where, self.hang_hint = solution, where, hang_hint
         self.backend = backend
+        self.rank_error, self.rank_error_names = rank_error, list(rank_error_names)
 
     def diagnosis_names(self) -> list[str]:
-        """Every verdict this exercise can give: its diagnoses (and "hang" with a hang hint)."""
-        return [d.name for d in self.diagnoses] + (["hang"] if self.hang_hint else [])
+        """Every verdict this exercise can give: its diagnoses, the rank errors it names
+        (and "hang" with a hang hint)."""
+        return ([d.name for d in self.diagnoses] + self.rank_error_names
+                + (["hang"] if self.hang_hint else []))
 
     def _fail(self, name: str, message: str) -> CheckFailed:
         failure = CheckFailed(message)
@@ -209,7 +219,10 @@ class RankExercise(Implementation):
             return launch(self.probe, fn, *world.args, world_size=world.size,
                           backend=self.backend, timeout=current_timeout())
         except RankError as err:
-            if self.hang_hint is None or not _stuck(err):
+            named = self.rank_error(err, world, fn) if self.rank_error is not None else None
+            if named is not None:
+                raise self._fail(*named) from None
+            if self.hang_hint is None or not rank_error_is_stuck(err):
                 raise
             kind = (err.exc_type or "").lower()
             t = f" after {current_timeout():g} s" if kind.startswith("timeout") else ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import contextvars
+import decimal
 import inspect
 import math
 import numbers
@@ -166,21 +167,66 @@ def _as_number(answer: Any, what: str = "a number") -> float:
     return value
 
 
-# Factors that betray a unit slip (answer / expected)
-_FACTOR_HINTS = (
-    (2.0, "you are a factor of 2 too high: did you count something twice (send and receive?)"),
-    (0.5, "you are a factor of 2 too low: did you leave out one of two phases?"),
-    (8.0, "you are 8x too high: the answer is in bytes, not bits"),
-    (0.125, "you are 8x too low: the answer is in bytes, not bits"),
-    (2**20 / 1e6, "you are 4.9% off: MiB is 2^20 bytes, MB is 10^6 bytes"),
-    (1e6 / 2**20, "you are 4.9% off: MiB is 2^20 bytes, MB is 10^6 bytes"),
-    (1e3, "you are 1000x too high: check the unit"),
-    (1e-3, "you are 1000x too low: check the unit"),
-    (1e6, "you are 10^6x too high: check the unit"),
-    (1e-6, "you are 10^6x too low: check the unit"),
-    (2**20, "you are 2^20x too high: check the unit (bytes vs MiB)"),
-    (2.0**-20, "you are 2^20x too low: check the unit (bytes vs MiB)"),
-)
+# --------------------------------------------------------------------------- unit slips
+
+# a unit whose values come from bytes (sizes, and times computed from sizes and bandwidths)
+_BYTE_UNIT = re.compile(r"\b(bytes?|[kKMGT]i?B|[kMG]B/s|ms|s|us|seconds)\b")
+_PREFIXES = (("KiB", "kB", 10, 3), ("MiB", "MB", 20, 6), ("GiB", "GB", 30, 9),
+             ("TiB", "TB", 40, 12))
+
+
+def percent_hint(value: float) -> str:
+    """What a learner who gave a percent for a fraction is told."""
+    return (f"{value:g} looks like a percent: give the fraction, a number between 0 and 1 "
+            f"({value:g}% is {value / 100:g})")
+
+
+def _binary_decimal_slips() -> list[tuple[float, str]]:
+    slips = []
+    for binary, in_decimal, power2, power10 in _PREFIXES:
+        gap = 2.0**power2 / 10.0**power10
+        why = (f"{binary} is 2^{power2} bytes and {in_decimal} 10^{power10} bytes, "
+               f"{100 * (gap - 1):.1f}% apart: check which one each number is in")
+        slips += [(gap, f"you are {100 * (gap - 1):.1f}% too high: {why}"),
+                  (1 / gap, f"you are {100 * (1 - 1 / gap):.1f}% too low: {why}")]
+    return slips
+
+
+def unit_slips(expected: float, unit: str | None) -> list[tuple[float, str]]:
+    """(factor, hint): the slips that leave an answer off by a known factor (given /
+    expected), for an answer ``expected`` in ``unit``. Bytes and times get bits, the binary
+    and decimal prefixes (MiB vs MB, GiB vs GB) and powers of 1000; a fraction (no unit,
+    between 0 and 1) a percent; any number a factor of 2."""
+    slips = [
+        (2.0, "you are a factor of 2 too high: did you count something twice "
+              "(send and receive?)"),
+        (0.5, "you are a factor of 2 too low: did you leave out one of two phases?"),
+    ]
+    if unit is None and 0 < expected < 1:
+        slips.append((100.0, ""))  # percent_hint, worded with the value
+    if unit is not None and _BYTE_UNIT.search(unit):
+        slips += [(8.0, "you are 8x too high: the answer is in bytes, not bits"),
+                  (0.125, "you are 8x too low: the answer is in bytes, not bits"),
+                  *_binary_decimal_slips(),
+                  (2**20, "you are 2^20x too high: check the unit (bytes vs MiB)"),
+                  (2.0**-20, "you are 2^20x too low: check the unit (bytes vs MiB)"),
+                  (2**30, "you are 2^30x too high: check the unit (bytes vs GiB)"),
+                  (2.0**-30, "you are 2^30x too low: check the unit (bytes vs GiB)")]
+    for power, name in ((3, "1000x"), (6, "10^6x"), (9, "10^9x")):
+        slips += [(10.0**power, f"you are {name} too high: check the unit"),
+                  (10.0**-power, f"you are {name} too low: check the unit")]
+    return slips
+
+
+def unit_slip(value: float, expected: float, unit: str | None, rtol: float) -> str | None:
+    """The hint naming the unit slip that turns ``expected`` into ``value``, or None."""
+    if expected == 0 or value == 0:
+        return None
+    ratio = value / expected
+    for factor, hint in unit_slips(expected, unit):
+        if math.isclose(ratio, factor, rel_tol=max(rtol, 1e-9)):
+            return hint or percent_hint(value)
+    return None
 
 
 class Numeric(Question):
@@ -188,18 +234,23 @@ class Numeric(Question):
 
     ``unit`` is the unit the answer is given in (a plain number in that unit is expected).
     ``mistakes`` maps known wrong values to hints; they are matched with the same tolerance.
+    A value off by a factor that betrays a unit slip (:func:`unit_slips`) is named as such;
+    ``near`` = (rtol, hint) names a value close to the answer that no mistake explains (a
+    count rounded where the exact one is asked, say).
     """
 
     kind = "number"
 
     def __init__(self, id, answer, *, prompt, working, rtol=1e-3, atol=0.0, unit=None,
-                 mistakes: dict[float, str] | None = None, points=1) -> None:
+                 mistakes: dict[float, str] | None = None, points=1,
+                 near: tuple[float, str] | None = None) -> None:
         super().__init__(id, prompt=prompt, working=working, points=points)
         self.answer = float(answer)
         self.rtol = rtol
         self.atol = atol
         self.unit = unit
         self.mistakes = dict(mistakes or {})
+        self.near = near  # (relative distance, hint): close, but not the exact answer asked
 
     def _close(self, a: float, b: float) -> bool:
         return math.isclose(a, b, rel_tol=self.rtol, abs_tol=self.atol)
@@ -215,13 +266,63 @@ class Numeric(Question):
         for wrong, hint in self.mistakes.items():
             if self._close(value, float(wrong)):
                 raise CheckFailed(f"{value:g}{unit} is not right: {hint}")
-        if self.answer != 0 and value != 0:
-            ratio = value / self.answer
-            for factor, hint in _FACTOR_HINTS:
-                if math.isclose(ratio, factor, rel_tol=self.rtol):
-                    raise CheckFailed(f"{value:g}{unit} is not right: {hint}")
+        slip = unit_slip(value, self.answer, self.unit, self.rtol)
+        if slip:
+            raise CheckFailed(f"{value:g}{unit} is not right: {slip}")
+        if self.near and math.isclose(value, self.answer, rel_tol=self.near[0]):
+            raise CheckFailed(f"{value:g}{unit} is not right: {self.near[1]}")
         direction = "too high" if value > self.answer else "too low"
         raise CheckFailed(f"{value:g}{unit} is not right ({direction}); check your working")
+
+
+def _half_unit(value: float) -> float:
+    """Half a unit of the last digit written: 0.27 -> 0.005, 27 -> 0.5, 0.273 -> 0.0005."""
+    exponent = decimal.Decimal(repr(value)).normalize().as_tuple().exponent
+    return 0.5 * 10.0 ** min(int(exponent), 0) if isinstance(exponent, int) else 0.0
+
+
+class RoundedFraction(Numeric):
+    """A fraction between 0 and 1, judged with the rounding its digits state: 0.27 is 3/11
+    to two digits, so it passes (and so does 0.273). Fewer than ``min_digits``
+    significant digits are too coarse to tell the answer from its mistakes, and a number
+    between 1 and 100 that is the answer x 100 is named as a percent. Every question that
+    asks for a fraction uses it, so the same fraction is judged the same way everywhere."""
+
+    def __init__(self, *args: Any, min_digits: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.min_digits = min_digits
+
+    def _rounds_to(self, value: float, target: float) -> bool:
+        if value == 0:  # "0" states no digits of the answer
+            return self._close(value, target)
+        return self._close(value, target) or abs(value - target) <= _half_unit(value) + 1e-12
+
+    def _too_coarse(self, value: float) -> bool:
+        if value == 0:
+            return True
+        return _half_unit(value) > 0.5 * 10.0 ** (
+            math.floor(math.log10(abs(value))) - self.min_digits + 1) * (1 + 1e-9)
+
+    def grade(self, answer: Any) -> str:
+        if is_stub(answer):
+            raise NotAttempted
+        value = _as_number(answer, "a fraction between 0 and 1")
+        if 1 < value <= 100 and self._rounds_to(value / 100, self.answer):
+            raise CheckFailed(percent_hint(value))
+        for wrong, hint in self.mistakes.items():  # a mistake itself, however few its digits
+            if self._close(value, float(wrong)):
+                raise CheckFailed(f"{value:g} is not right: {hint}")
+        if self._rounds_to(value, self.answer):
+            if self._too_coarse(value):
+                raise CheckFailed(f"{value:g} is too coarse to judge: give at least "
+                                  f"{self.min_digits} significant digits")
+            return "correct"
+        for wrong, hint in self.mistakes.items():
+            if self._rounds_to(value, float(wrong)) and not self._too_coarse(value):
+                raise CheckFailed(f"{value:g} is not right: {hint}")
+        # no unit-slip factors (MiB vs MB, bits vs bytes) for a plain fraction
+        direction = "too high" if value > self.answer else "too low"
+        raise CheckFailed(f"{value:g} is not right ({direction}); check your working")
 
 
 class Choice(Question):
@@ -446,4 +547,5 @@ class Implementation(Question):
 
 
 __all__ = ["DEFAULT_TIMEOUT_HINT", "Choice", "Expression", "Implementation", "Numeric",
-           "Question", "WholeNumbers", "current_timeout", "is_stub"]
+           "Question", "RoundedFraction", "WholeNumbers", "current_timeout", "is_stub",
+           "percent_hint", "unit_slip", "unit_slips"]

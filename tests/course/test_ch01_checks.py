@@ -61,8 +61,8 @@ def test_numeric_answers_and_hints(qid, right, wrong, hint):
 
 
 def test_choices():
-    assert check("01.memory_wall", "b").passed
-    r = check("01.memory_wall", "A")
+    assert check("01.memory_wall", "a").passed
+    r = check("01.memory_wall", "B")
     assert r.status == "failed" and "memory does not pool" in r.message
     assert check("01.overlap", "C").passed
     assert not check("01.overlap", "A").passed

@@ -66,9 +66,9 @@ def test_numbers_are_the_cost_models():
     ("02.recompute_pays", "c", "A", "what divides the activations"),
     ("02.recompute_pays", "C", "B", "bytes per parameter"),
     ("02.recompute_pays", "C", "D", "twice a forward"),
-    ("02.fast_links", "b", "A", "2 x P x (N-1)/N"),
-    ("02.fast_links", "B", "C", "more memory"),
-    ("02.fast_links", "B", "D", "number of units"),
+    ("02.fast_links", "d", "A", "2 x P x (N-1)/N"),
+    ("02.fast_links", "D", "C", "more memory"),
+    ("02.fast_links", "D", "B", "number of units"),
 ])
 def test_choices(qid, right, wrong, hint):
     assert check(qid, right).passed
@@ -137,6 +137,78 @@ ZERO3_MUTANTS = {
         [(_GATHER, _GATHER + "            if dist.get_rank(group) == 0:\n    " + _GATHER)],
         "hang", "did not match"),
 }
+
+_LIST_GATHER = ("            pieces = [torch.empty_like(shard) for _ in range(n)]\n"
+                "            dist.all_gather(pieces, shard, group=group)\n"
+                "            weight = torch.cat(pieces)\n")
+# every rank's rows gathered by summing a zero-padded buffer: an all-reduce, not a gather
+_PADDED_SUM = ("            weight = torch.zeros(n * shard.shape[0], shard.shape[1])\n"
+               "            r, rows = dist.get_rank(group), shard.shape[0]\n"
+               "            weight[r * rows:(r + 1) * rows] = shard.detach()\n"
+               "            dist.all_reduce(weight, group=group)\n")
+_KEEP = (_SAVE, "            ctx.save_for_backward(x, shard, weight)\n")
+_KEPT = ("            x, shard = ctx.saved_tensors\n",
+         "            x, shard, kept = ctx.saved_tensors\n")
+_REUSE = (_REGATHER, "            weight = kept\n")
+
+# Wrong answers the check accepted before it judged by storage what a rank holds between
+# forward and backward, and named the way a weight was gathered; name: (replacements,
+# diagnosis, words of its hint)
+ZERO3_HELD = {
+    "list all-gather joined by torch.cat, the joined W kept for backward": (
+        [(_GATHER, _LIST_GATHER), _KEEP, _KEPT, _REUSE],
+        "kept_gathered_weights", "bytes of gathered weights"),
+    "a .detach() of the gathered weight kept on ctx": (
+        [(_SAVE, _SAVE + "            ctx.weight = weight.detach()\n"),
+         (_REGATHER, "            weight = ctx.weight\n")],
+        "kept_gathered_weights", "bytes of gathered weights"),
+    "a padded buffer all-reduced into W, kept for backward": (
+        [(_GATHER, _PADDED_SUM), _KEEP, _KEPT, _REUSE],
+        "kept_gathered_weights", "bytes of gathered weights"),
+    "a padded buffer all-reduced into W, in forward and backward": (
+        [(_GATHER, _PADDED_SUM), (_REGATHER, _PADDED_SUM)],
+        "gathered_by_all_reduce", "all-reduce is not a gather"),
+    "async all-gather, computed with before wait()": (
+        [(_GATHER, "            work = comm.all_gather(weight, shard, group=group, "
+                   "async_op=True)\n"),
+         ("            return x @ weight.T ",
+          "            y = x @ weight.T\n            work.wait()\n            return y ")],
+        "used_before_wait", "before work.wait()"),
+    "async all-gather in backward, computed with before wait()": (
+        [(_REGATHER, "            work = comm.all_gather(weight, shard, group=group, "
+                     "async_op=True)\n"),
+         ("            grad_x = grad_y @ weight\n",
+          "            grad_x = grad_y @ weight\n            work.wait()\n")],
+        "used_before_wait", "before work.wait()"),
+}
+
+
+@pytest.mark.parametrize("name", list(ZERO3_HELD))
+def test_zero3_judges_what_a_rank_holds_and_how_it_gathers(name):
+    changes, diagnosis, hint = ZERO3_HELD[name]
+    r = _check(_mutant(changes))
+    assert r.status == "failed", r
+    assert r.diagnosis == diagnosis, (r.diagnosis, r.message)
+    assert hint in r.message, r.message
+
+
+def test_zero3_accepts_an_async_all_gather_waited_for():
+    src = _mutant([(_GATHER, "            work = comm.all_gather(weight, shard, group=group, "
+                             "async_op=True)\n            work.wait()\n"),
+                   (_REGATHER, "            comm.all_gather(weight, shard, group=group, "
+                               "async_op=True).wait()\n")])
+    r = _check(src)
+    assert r.passed, r
+
+
+def test_kept_weights_are_measured_by_storage():
+    # the gathered W kept through a torch.cat of a list all-gather: every unit's full W
+    changes, _, _ = ZERO3_HELD[
+        "list all-gather joined by torch.cat, the joined W kept for backward"]
+    r = _check(_mutant(changes))
+    kept = int(re.search(r"still holds (\d+) bytes", r.message).group(1))
+    assert kept == _block_linear_weight_bytes()
+
 
 # Learners who skip the autograd.Function: whole functions, not edits of the reference.
 NO_FUNCTION = {
@@ -217,6 +289,7 @@ def zero3_linear(x, shard, group=None):
 def test_every_zero3_diagnosis_is_reached():
     # the tests above show each mutant reaches its diagnosis; together they reach them all
     reached = {d for _, d, _ in ZERO3_MUTANTS.values()} | {d for _, d, _ in NO_FUNCTION.values()}
+    reached |= {d for _, d, _ in ZERO3_HELD.values()}
     assert reached == set(questions("02")["02.zero3_linear"].diagnosis_names())
 
 

@@ -50,7 +50,7 @@ def test_bytes_per_layer_is_the_formula():
 
 
 def test_choices():
-    assert check("03.slow_link", "b").passed
+    assert check("03.slow_link", "d").passed
     assert "4 times per layer" in check("03.slow_link", "A").message
     assert check("03.t_within_node", "A").passed
     assert "keeps shrinking" in check("03.t_within_node", "C").message

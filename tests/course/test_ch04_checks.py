@@ -69,8 +69,29 @@ def test_numeric_answers_and_hints():
     assert "warm-up" in check("04.1f1b_inflight", 3).message
     assert check("04.boundary_bytes", 268_435_456).passed
     assert "one direction" in check("04.boundary_bytes", 134_217_728).message
-    assert check("04.more_stages", "B").passed
-    assert check("04.more_stages", "A").status == "failed"
+    assert check("04.more_stages", "A").passed
+    assert check("04.more_stages", "B").status == "failed"
+
+
+@pytest.mark.parametrize("qid", ["04.bubble_naive", "04.bubble", "04.interleaved_bubble",
+                                 "04.zb_removed"])
+def test_fractions_are_judged_by_the_rounding_of_their_digits(qid):
+    # as 08.seed_bubble judges the same 3/11: two digits pass, a percent and one digit are
+    # named (before, 0.27 failed 04.bubble as "too low" and passed 08.seed_bubble)
+    answer = questions("04")[qid].answer
+    assert check(qid, round(answer, 2)).passed, check(qid, round(answer, 2)).message
+    assert check(qid, round(answer, 3)).passed
+    r = check(qid, round(100 * answer, 1))
+    assert r.status == "failed" and "looks like a percent" in r.message, r.message
+    r = check(qid, round(answer, 1) if round(answer, 1) != round(answer, 2) else 0.8)
+    assert r.status == "failed" and "significant digits" in r.message, r.message
+
+
+def test_fraction_mistakes_are_named_at_two_digits():
+    r = check("04.bubble", 0.38)  # 3/8, the bubble relative to the ideal time
+    assert r.status == "failed" and "relative to the ideal" in r.message, r.message
+    r = check("04.interleaved_bubble", 0.19)  # 3/16
+    assert r.status == "failed" and "relative to the ideal" in r.message, r.message
 
 
 def test_min_microbatches_names_the_other_bubble_definition():
@@ -258,6 +279,10 @@ GPIPE_AS_DATA = "    return [F(i) for i in range(m)] + [B(i) for i in reversed(r
 # One wrong answer per diagnosis of 04.one_f_one_b, and a part of the hint it must give.
 ONE_F_ONE_B_MUTANTS = {
     "not_ops": ({"x": (RETURN, "    return [repr(op) for op in ops]\n")}, "return a list of Op"),
+    # the rank read from the process group: in a real run each process plans only its own
+    # ops, but the check asks one process for every rank's (today: a peak hint)
+    "rank_from_group": ({"x": (WARMUP, "warmup = min(p - 1 - dist.get_rank(), m)")},
+                        "not from its argument `rank`"),
     # no cap at m: with m = 2 < p - 1 rank 0 runs F2
     "microbatch_beyond_m": ({"x": (WARMUP, "warmup = p - 1 - rank")}, "cap it at m"),
     # warm-up of `rank` forwards: rank 0 starts a backward its neighbour cannot feed
@@ -312,6 +337,20 @@ def test_one_f_one_b_deadlock_hint_quotes_the_validator():
     assert said in r.message and "with p = 2, m = 4" in r.message
 
 
+def test_one_f_one_b_world_size_from_the_group_is_named():
+    fn = one_f_one_b(x=(WARMUP, "warmup = min(dist.get_world_size() - 1 - rank, m)"))
+    r = check("04.one_f_one_b", fn)
+    assert r.status == "failed" and r.diagnosis == "rank_from_group", (r.diagnosis, r.message)
+    assert "dist.get_world_size() returns" in r.message and "argument `p`" in r.message
+
+
+def test_schedules_are_judged_with_m_below_at_and_above_p():
+    from parlib.course.questions.ch04.schedules import ONE_F_ONE_B_SETTINGS, ZB_CASES
+
+    for settings in (ONE_F_ONE_B_SETTINGS, tuple(ZB_CASES.values())):
+        assert {(m > p) - (m < p) for p, m in settings} == {-1, 0, 1}, settings
+
+
 def test_one_f_one_b_peaks_name_the_numbers():
     r = check("04.one_f_one_b", one_f_one_b(x=(RETURN, GPIPE_AS_DATA)))
     assert "with p = 2, m = 4" in r.message and "[4, 4], 1F1B's [2, 1]" in r.message
@@ -352,6 +391,13 @@ ZB_B = "        ops.append(B(i))\n        late.append(i)\n"
 ZB_MUTANTS = {
     "not_ops": ({"x": (ZB_RETURN, "    return [str(op) for op in ops]\n")},
                 "return a list of Op"),
+    # each W put off by the process's rank, not the argument's (today: the W-placement hint
+    # "every W runs right behind its B", since the check's one process is rank 0)
+    "rank_from_group": ({"x": (LATE, "if len(late) > dist.get_rank():")},
+                        "dist.get_rank() returns: it takes the rank from the process group"),
+    # 1F1B's warm-up without its cap: right for every m >= p - 1, F(m) on rank 0 at m = 2 < p
+    "microbatch_beyond_m": ({"x": ("warmup = min(p - 1 - rank, m)", "warmup = p - 1 - rank")},
+                            "with p = 4, m = 2: the validator says"),
     # the W's if moved above the B it belongs to
     "weight_before_backward": ({"x": (ZB_B, "        late.append(i)\n"),
                                 "y": ("            ops.append(W(late.pop(0)))\n",
@@ -422,10 +468,10 @@ def test_new_numeric_questions_accept_the_answer_and_name_the_mistakes():
     assert "share of 1F1B's bubble that is left" in check("04.zb_removed", 1.4 / 3).message
     assert "same time" in check("04.zb_removed", 2 / 3).message
     assert "twice" in check("04.zb_removed", 0.8 / 3).message
-    assert check("04.schedule_for_memory", "b").passed
-    for wrong in "ACD":
+    assert check("04.schedule_for_memory", "d").passed
+    for wrong in "ABC":
         assert check("04.schedule_for_memory", wrong).status == "failed"
-    assert "more than 8" in check("04.schedule_for_memory", "D").message
+    assert "more than 8" in check("04.schedule_for_memory", "B").message
 
 
 def test_memory_choice_facts_hold():

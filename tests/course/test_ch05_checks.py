@@ -4,6 +4,8 @@ mistake; together the wrong answers reach every diagnosis."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from parlib.cost.context import cp_activation_bytes_per_layer, ring_attention_sent_bytes_per_layer
@@ -110,11 +112,20 @@ def test_cp_or_tp_right_option_is_not_the_longest():
 
 def test_merge_cases_cover_masked_rows_and_overflow():
     # the cases the grader judges must hold what its diagnoses look for
-    assert set(CASES) == {"plain", "causal", "large", "masked"}
+    assert set(CASES) == {"plain", "causal", "large", "masked", "causal_large", "swapped_large"}
     causal, large, masked = _blocks("causal"), _blocks("large"), _blocks("masked")
     assert causal["lse_b"].isneginf().any() and causal["lse"].isfinite().all()
     assert large["lse"].max() > 88  # exp overflows fp32 past 88.7
+    # the max lies far in either block: a merge relative to one side's lse overflows
+    assert (large["lse_b"] - large["lse_a"]).max() > 88
+    assert (large["lse_a"] - large["lse_b"]).max() > 88
     assert masked["lse"].isneginf().any() and masked["lse"].isfinite().any()
+    # rows that see one block only, either one, with a log-sum-exp past exp's limit
+    for name, empty, seen in (("causal_large", "lse_b", "lse_a"),
+                              ("swapped_large", "lse_a", "lse_b")):
+        blocks = _blocks(name)
+        one_side = blocks[empty].isneginf() & blocks[seen].isfinite()
+        assert (blocks[seen][one_side] > 88).any(), name
 
 
 def _merge(old: str, new: str) -> str:
@@ -146,6 +157,27 @@ MERGE_MUTANTS = {
                       "one side's", "lse_not_merged"),
     "lse_off_by_log2": (_merge("top + torch.log(total)", "top + torch.log(total + 1)"),
                         "out is right but lse differs", "wrong_lse"),
+    # the -inf guard keyed on one side, not on the max: m = 0 on rows that saw only the
+    # other side, whose exp(lse) overflows (passed before the large one-side cases)
+    "guards_on_lse_a": (_merge("torch.where(torch.isfinite(top), top,",
+                               "torch.where(torch.isfinite(lse_a), top,"),
+                        "a guard on lse_a or lse_b alone", "guard_on_one_side"),
+    "guards_on_lse_b": (_merge("torch.where(torch.isfinite(top), top,",
+                               "torch.where(torch.isfinite(lse_b), top,"),
+                        "one lse is -inf and the other large", "guard_on_one_side"),
+    # the running max taken from block a: the large case's max lies far in block b too
+    "max_from_block_a": (_merge("torch.maximum(lse_a, lse_b)", "lse_a.clone()"),
+                         "overflows", "no_running_max"),
+    # -inf replaced by a -1e9 sentinel: a row that sees nothing comes out finite (before:
+    # "lse differs", with a max |difference| of 0 over the finite rows)
+    "sentinel_for_inf": (_merge("    top = torch.maximum(lse_a, lse_b)",
+                                "    lse_a = torch.nan_to_num(lse_a, neginf=-1e9)\n"
+                                "    lse_b = torch.nan_to_num(lse_b, neginf=-1e9)\n"
+                                "    top = torch.maximum(lse_a, lse_b)"),
+                         "a sentinel standing in for -inf (like -1e9)", "lse_not_minus_inf"),
+    # the log of the total made safe for division: lse 0 where nothing was seen
+    "log_of_safe_total": (_merge("top + torch.log(total)", "top + torch.log(safe)"),
+                          "take the log of the total itself", "lse_not_minus_inf"),
     "swaps_weights": (_merge("    out = (wa[..., None] * out_a + wb[..., None] * out_b)",
                              "    out = (wb[..., None] * out_a + wa[..., None] * out_b)"),
                       "out differs from the full softmax", "wrong_output"),
@@ -200,6 +232,40 @@ def ring_attention_forward(q, k, v, group, causal):
     return out
 '''
 
+# a ring that carries every block round but keeps them all and attends once at the end: the
+# all-gather variant's memory, with sends and receives only (passed before)
+RING_THEN_ATTEND_ONCE = '''\
+def ring_attention_forward(q, k, v, group, causal):
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    size = q.shape[-2]
+    send_to = dist.get_global_rank(group, (rank + 1) % cp)
+    recv_from = dist.get_global_rank(group, (rank - 1) % cp)
+    kv = torch.stack([k, v])
+    blocks = {rank: kv}
+    for step in range(cp - 1):
+        incoming = torch.empty_like(kv)
+        works = [dist.isend(kv, send_to, group=group),
+                 dist.irecv(incoming, recv_from, group=group)]
+        for w in works:
+            w.wait()
+        kv = incoming
+        blocks[(rank - step - 1) % cp] = kv
+    ks = torch.cat([blocks[i][0] for i in range(cp)], dim=-2)
+    vs = torch.cat([blocks[i][1] for i in range(cp)], dim=-2)
+    q_pos, k_pos = torch.arange(rank * size, (rank + 1) * size), torch.arange(cp * size)
+    out, _ = block_attention(q, ks, vs, q_pos if causal else None, k_pos if causal else None)
+    return out
+'''
+
+# the transfer started at every step, the last one included: cp sends, the last wasted
+SENDS_EVERY_STEP = RING_SOLUTION.replace("        if step < cp - 1:", "        if True:")
+assert SENDS_EVERY_STEP.count("if True:") == 2
+
+NEIGHBOURS = ("    send_to = dist.get_global_rank(group, (rank + 1) % cp)\n"
+              "    recv_from = dist.get_global_rank(group, (rank - 1) % cp)")
+ISEND_IRECV = ("            works = [dist.isend(kv, send_to, group=group),\n"
+               "                     dist.irecv(incoming, recv_from, group=group)]")
+
 RING_MUTANTS = {
     "wrong_neighbour": (_ring("    send_to = dist.get_global_rank(group, (rank + 1) % cp)\n"
                               "    recv_from = dist.get_global_rank(group, (rank - 1) % cp)",
@@ -231,10 +297,46 @@ RING_MUTANTS = {
     "doubles": (_ring("    return out\n", "    return 2 * out\n"), "differs from single-device",
                 "wrong_output"),
     "all_gathers": (ALL_GATHER, "called all_gather", "collective_used"),
+    # a blocking send before the receive on every rank (before: a 60 s wait, then "did not
+    # match")
+    "sends_before_receiving": (_ring(ISEND_IRECV,
+                                     "            dist.send(kv, send_to, group=group)\n"
+                                     "            dist.recv(incoming, recv_from, group=group)\n"
+                                     "            works = []"),
+                               "calls dist.send, which blocks until the peer receives",
+                               "blocking_send"),
     "sends_twice": (_ring("            works = [dist.isend(kv, send_to, group=group),",
                           "            dist.send(kv, send_to, group=group)\n"
                           "            works = [dist.isend(kv, send_to, group=group),"),
-                    "did not match", "hang"),
+                    "each waits in send", "blocking_send"),
+    # receives from the rank it sends to: the same peer for cp = 2, a send never received
+    # for cp = 4
+    "receives_from_next": (_ring("recv_from = dist.get_global_rank(group, (rank - 1) % cp)",
+                                 "recv_from = send_to"),
+                           "did not match", "hang"),
+    # K and V concatenated along the batch, not stacked: kv[0], kv[1] are K and V only for
+    # batch 1 (passed before, when the check's batch was 1)
+    "cats_kv_along_batch": (_ring("kv = torch.stack([k, v])", "kv = torch.cat([k, v])"),
+                            "differs from single-device", "wrong_output"),
+    # neighbours found by adding to the global rank: right on groups of consecutive ranks
+    # (passed before, when the only sub-groups were {0, 1} and {2, 3})
+    "neighbours_by_global_offset": (
+        _ring(NEIGHBOURS, "    first = dist.get_rank() - rank  # the group's first global rank\n"
+                          "    send_to = first + (rank + 1) % cp\n"
+                          "    recv_from = first + (rank - 1) % cp"),
+        "a group's ranks need not be consecutive", "neighbour_outside_group"),
+    # the place in the group taken as the global rank mod cp: right for {0, 1} and {2, 3}
+    # (passed before), not for {0, 2} and {1, 3}
+    "place_from_global_rank": (
+        _ring("    rank, cp = dist.get_rank(group), dist.get_world_size(group)",
+              "    cp = dist.get_world_size(group)\n"
+              "    rank = dist.get_rank() % cp  # my place in my group"),
+        "though they did on groups of consecutive ranks", "not_consecutive"),
+    "ring_then_attend_once": (RING_THEN_ATTEND_ONCE, "That is the all-gather variant",
+                              "all_gather_variant"),
+    "sends_every_step": (SENDS_EVERY_STEP,
+                         "sent 2 blocks of K and V in one forward, not cp - 1 = 1",
+                         "extra_transfers"),
 }
 
 
@@ -246,9 +348,10 @@ def test_ring_accepts_worked_answer():
 @pytest.mark.parametrize("mutant", sorted(RING_MUTANTS))
 def test_ring_rejects_mutant_with_its_diagnosis(mutant):
     src, hint, diagnosis = RING_MUTANTS[mutant]
-    r = check("05.ring_forward", learner(src, "ring_attention_forward", RING_PRELUDE),
-              timeout=20 if diagnosis == "hang" else None)
+    t0 = time.monotonic()
+    r = check("05.ring_forward", learner(src, "ring_attention_forward", RING_PRELUDE))
     assert r.status == "failed", r
+    assert time.monotonic() - t0 < 90  # a hang is named after the question's 20 s
     assert hint in r.message, r.message
     assert r.diagnosis == diagnosis, (r.diagnosis, r.message)
 

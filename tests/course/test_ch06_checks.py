@@ -9,8 +9,9 @@ import pytest
 from parlib.cost.experts import ep_all_to_all_bytes_per_layer, moe_params_per_rank, tokens_dropped
 from parlib.course.check import check
 from parlib.course.questions.ch06 import DISPATCH_SOLUTION, EP_LAYER_SOLUTION
-from parlib.course.questions.ch06.dispatch import CASES, _case
+from parlib.course.questions.ch06.dispatch import CASES, IDLE, _case
 from parlib.course.questions.ch06.ep_layer import FACTOR, PHASES, TOKENS, _setting
+from parlib.course.questions.ch06.ep_layer import IDLE as LAYER_IDLE
 from parlib.course.registry import questions
 from parlib.model import route
 from tests.helpers.learner_code import learner
@@ -45,6 +46,10 @@ PARAMS, BYTES = 939_786_240, 1_879_048_192
     ("06.params_per_rank", PARAMS, PARAMS / 2, "two matrices"),
     ("06.params_per_rank", PARAMS, PARAMS / 8, "E/ep experts, not one"),
     ("06.params_per_rank", PARAMS, PARAMS * 1.5, "not three"),
+    # the router (h x E = 262,144, 0.03%) left out or split: accepted at 0.1% before
+    ("06.params_per_rank", PARAMS, PARAMS - 4096 * 64, "leaves out the router"),
+    ("06.params_per_rank", PARAMS, PARAMS - 4096 * 64 * 7 / 8, "replicated, not split"),
+    ("06.params_per_rank", PARAMS, 9.398e8, "give the exact count"),
     ("06.all_to_all_bytes", BYTES, BYTES / 2, "that is half"),
     ("06.all_to_all_bytes", BYTES, BYTES / 4, "four per layer"),
     ("06.all_to_all_bytes", BYTES, BYTES / 8, "once per chosen expert"),
@@ -109,7 +114,7 @@ def _token_major_keep(experts, capacity):
 
 def test_dispatch_cases_drop_choices_and_tell_the_orders_apart():
     # the capacity cases must drop choices, and dropping token-major must drop other ones
-    assert [CASES[n][0] for n in CASES] == [2, 4, 2, 4]
+    assert [CASES[n][0] for n in CASES] == [2, 4, 2, 4, 4]
     for name in ("ep2_capacity", "ep4_capacity"):
         case = _case(name)
         r = case["routing"]
@@ -169,6 +174,46 @@ DISPATCH_MUTANTS = {
 }
 
 
+def test_dispatch_idle_case_has_idle_experts_an_idle_rank_and_tokens_that_lose_everything():
+    case = _case("ep4_idle_experts")
+    r = case["routing"]
+    picked = set(r.experts.reshape(-1).tolist())
+    assert not picked & set(IDLE["ep4_idle_experts"]) and {6, 7} <= set(IDLE["ep4_idle_experts"])
+    assert (~r.keep.any(1)).any()  # some token loses every choice at capacity
+    for name in CASES:  # and only there: the other cases do not tell these answers apart
+        if name not in IDLE:
+            other = _case(name)["routing"]
+            assert other.keep.any(1).all() and len(set(other.experts.reshape(-1).tolist())) == 8
+
+
+# Wrong answers right on every case but the idle one (or on none, but named for another
+# reason before): (source, words of the hint, diagnosis)
+DISPATCH_EDGE_MUTANTS = {
+    "bincount_without_minlength": (
+        _dispatch("torch.bincount(expert, minlength=n_experts)", "torch.bincount(expert)"),
+        "minlength=n_experts", "idle_expert_counts"),
+    "counts_of_present_experts": (
+        _dispatch("torch.bincount(expert, minlength=n_experts)",
+                  "torch.unique(expert, return_counts=True)[1]"),
+        "receive no token", "idle_expert_counts"),
+    "dropped_token_passed_through": (
+        _dispatch("    out = torch.zeros_like(x)\n",
+                  "    out = x * ~keep.any(1, keepdim=True)  # a dropped token passes through\n"),
+        "lost every choice at capacity", "dropped_token_passed_through"),
+    "renormalises_over_top_k": (
+        _dispatch("back * weights[token, choice][:, None]",
+                  "back * (weights / weights.sum(1, keepdim=True))[token, choice][:, None]"),
+        "renormalised the router weights", "renormalised_router_weights"),
+    "renormalises_over_kept_choices": (
+        _dispatch("    out = torch.zeros_like(x)\n",
+                  "    kept = weights * keep\n"
+                  "    weights = kept / kept.sum(1, keepdim=True)\n"
+                  "    out = torch.zeros_like(x)\n"),
+        "renormalised the router weights", "renormalised_router_weights"),
+}
+DISPATCH_MUTANTS.update(DISPATCH_EDGE_MUTANTS)
+
+
 def test_dispatch_accepts_worked_answer():
     r = check("06.dispatch", learner(DISPATCH_SOLUTION, "expert_parallel_moe"))
     assert r.passed, r
@@ -213,7 +258,7 @@ def test_expert_parallel_layer_settings_drop_choices_and_tell_the_orders_apart()
             token_major.append(_token_major_keep(r.experts, s["capacity"]))
         assert not all(all(k) for k in keeps), (ep, index)
         assert keeps != token_major, (ep, index)
-    assert [p for p, _ in PHASES[4]] == ["world", "world", "pairs", "pairs"]
+    assert [p for p, _ in PHASES[4]] == ["world", "world", "pairs", "pairs", "strided"]
 
 
 def test_expert_parallel_layer_accepts_worked_answer():
@@ -314,6 +359,46 @@ LAYER_MUTANTS = {
                                   "all_to_all(x[token[order]].detach(),"),
                            "the tokens' gradient", "x_gradient"),
 }
+
+
+_COUNT_SWAP = ("    incoming = torch.empty_like(per_expert)\n"
+               "    dist.all_to_all_single(incoming, per_expert, group=group)\n"
+               "    incoming = incoming.view(ep, -1)\n")
+
+# Wrong answers right in the settings the check built before (or named for another reason):
+# (source, words of the hint, diagnosis)
+LAYER_EDGE_MUTANTS = {
+    "place_in_group_from_the_global_rank": (
+        _layer(_COUNT_SWAP,
+               "    every = [torch.empty_like(per_expert) for _ in range(ep)]\n"
+               "    dist.all_gather(every, per_expert, group=group)  # every rank's counts\n"
+               "    me = dist.get_rank() % ep  # my place in the group\n"
+               "    incoming = torch.stack(every).view(ep, ep, -1)[:, me].contiguous()\n"),
+        "({0, 2} and {1, 3})", "global_rank_in_group"),
+    "bincount_without_minlength": (
+        _layer("torch.bincount(expert, minlength=n_experts)", "torch.bincount(expert)"),
+        "minlength=n_experts", "idle_expert_counts"),
+    "dropped_token_passed_through": (
+        _layer("    out = torch.zeros_like(x)\n",
+               "    out = x * ~keep.any(1, keepdim=True)  # a dropped token passes through\n"),
+        "lost every choice at capacity", "dropped_token_passed_through"),
+    "renormalises_over_top_k": (
+        _layer("back * weights[token, choice][:, None]",
+               "back * (weights / weights.sum(1, keepdim=True))[token, choice][:, None]"),
+        "renormalised the router weights", "renormalised_router_weights"),
+}
+LAYER_MUTANTS.update(LAYER_EDGE_MUTANTS)
+
+
+def test_expert_parallel_layer_idle_setting_has_idle_experts_and_lost_tokens():
+    s = _setting(0, 4, FACTOR)
+    lost = 0
+    for rank, part in enumerate(s["x"].split(TOKENS)):
+        r = route(part, s["moe"].router, 2, FACTOR)
+        assert not set(r.experts.reshape(-1).tolist()) & set(LAYER_IDLE), rank
+        lost += int((~r.keep.any(1)).sum())
+    assert lost and {6, 7} <= set(LAYER_IDLE)  # rank 3 holds experts 6 and 7: it receives nothing
+    assert ("strided", None) in PHASES[4]
 
 
 @pytest.mark.parametrize("mutant", sorted(LAYER_MUTANTS))

@@ -79,8 +79,8 @@ def test_seed_numbers_and_their_hints():
 
 
 def test_crosses_nodes():
-    assert check("07.crosses_nodes", "B").passed
-    for wrong in "ACD":
+    assert check("07.crosses_nodes", "D").passed
+    for wrong in "ABC":
         assert not check("07.crosses_nodes", wrong).passed
 
 

@@ -11,7 +11,7 @@ from parlib.course.registry import questions
 
 GiB = 2**30
 RIGHT = {
-    "08.what_tp_splits": "B",
+    "08.what_tp_splits": "D",
     "08.dp_bytes": 2 * 7 / 8 * 2 * 1.3e9,
     "08.dp_seconds": 2 * 7 / 8 * 2 * 1.3e9 / 25e9,
     "08.memory_bound": "b",

@@ -110,6 +110,110 @@ def test_real_chapter00_numeric_questions():
     assert "own shard" in check("00.all_gather_mib", 16).message
 
 
+# --------------------------------------------------------------------------- unit slips
+
+
+def _numeric_questions() -> dict[str, Numeric]:
+    return {qid: q for qid, q in registry.questions().items() if isinstance(q, Numeric)}
+
+
+def _in_bytes(q: Numeric) -> bool:
+    from parlib.course.question_types import _BYTE_UNIT
+
+    return q.unit is not None and bool(_BYTE_UNIT.search(q.unit))
+
+
+@pytest.mark.parametrize("factor, names", [
+    (2**20 / 1e6, "2^20"), (1e6 / 2**20, "2^20"),  # MiB vs MB, either way
+    (2**30 / 1e9, "2^30"), (1e9 / 2**30, "2^30"),  # GiB vs GB, either way
+])
+def test_binary_and_decimal_prefixes_are_named_in_every_question_in_bytes(factor, names):
+    # before, GB for GiB (and GiB for GB) was "too low; check your working" wherever the
+    # question had no mistake of its own for it, and MiB vs MB was named in every question,
+    # microbatches and parameters included
+    in_bytes = {qid: q for qid, q in _numeric_questions().items() if _in_bytes(q)}
+    assert len(in_bytes) >= 10, sorted(in_bytes)
+    for qid, q in in_bytes.items():
+        r = check(qid, q.answer * factor)
+        assert r.status == "failed" and names in r.message, (qid, r.message)
+
+
+@pytest.mark.parametrize("unit, answer", [("bytes", 100.0), ("ms", 3.0), (None, 0.25),
+                                          ("parameters", 1e6)])
+def test_every_unit_slip_reaches_its_hint(unit, answer):
+    from parlib.course.question_types import unit_slips
+
+    q = register(Numeric("99.slips", answer, unit=unit, prompt="p", working="w"))
+    try:
+        for factor, hint in unit_slips(answer, unit):
+            r = check("99.slips", answer * factor)
+            assert r.status == "failed" and (hint or "looks like a percent") in r.message, (
+                factor, r.message)
+    finally:
+        registry._REGISTRY.pop(q.id, None)
+
+
+def test_prefixes_are_named_only_where_the_answer_is_in_bytes():
+    counts = {qid: q for qid, q in _numeric_questions().items()
+              if not _in_bytes(q) and q.unit is not None}
+    assert counts, "some question counts things (parameters, microbatches, ...)"
+    for qid, q in counts.items():
+        r = check(qid, q.answer * 2**20 / 1e6)
+        assert "MiB" not in r.message and "2^20" not in r.message, (qid, r.message)
+
+
+def test_a_percent_is_named_in_every_question_that_asks_for_a_fraction():
+    fractions = {qid: q for qid, q in _numeric_questions().items()
+                 if q.unit is None and 0 < q.answer < 1}
+    assert {"04.bubble", "04.bubble_naive", "04.interleaved_bubble", "04.zb_removed",
+            "08.seed_bubble"} <= set(fractions)
+    for qid, q in fractions.items():
+        r = check(qid, 100 * q.answer)
+        assert r.status == "failed" and "looks like a percent" in r.message, (qid, r.message)
+
+
+def test_a_percent_is_named_for_a_plain_numeric_fraction():
+    q = register(Numeric("99.frac", 0.3, prompt="p", working="w"))
+    try:
+        assert "looks like a percent" in check("99.frac", 30).message
+        assert "looks like a percent" not in check("99.frac", 3).message
+    finally:
+        registry._REGISTRY.pop(q.id, None)
+
+
+def test_every_tolerance_separates_the_slips_it_names():
+    # a tolerance wide enough to accept a named slip accepts a wrong answer: before,
+    # 06.params_per_rank (0.1%) accepted the router left out or sharded (0.03% off)
+    from parlib.course.question_types import RoundedFraction, unit_slips
+
+    for qid, q in _numeric_questions().items():
+        for wrong in q.mistakes:
+            assert not q._close(float(wrong), q.answer), (qid, wrong)
+            if isinstance(q, RoundedFraction):  # a mistake to the fewest digits it accepts
+                coarse = float(f"{float(wrong):.{q.min_digits}g}")
+                assert check(qid, coarse).status == "failed", (qid, wrong, coarse)
+                assert check(qid, float(wrong)).message.endswith(q.mistakes[wrong]), qid
+        for factor, _ in unit_slips(q.answer, q.unit):
+            assert not q._close(q.answer * factor, q.answer), (qid, factor)
+
+
+def test_the_same_quantity_is_judged_the_same_way_everywhere():
+    # 04.bubble and 08.seed_bubble ask for the same 3/11: 0.27 failed the first (rtol 1e-3)
+    # and passed the second (judged by the rounding of its digits)
+    from collections import defaultdict
+
+    same = defaultdict(list)
+    for q in _numeric_questions().values():
+        same[(float(f"{q.answer:.9g}"), q.unit)].append(q)
+    for group in same.values():
+        rules = {(type(q), q.rtol, q.atol, getattr(q, "min_digits", None)) for q in group}
+        assert len(rules) == 1, [q.id for q in group]
+    for answer in (0.27, 0.273, 3 / 11, 0.3, 27, 0.28, 0.38):
+        verdicts = {qid: check(qid, answer) for qid in ("04.bubble", "08.seed_bubble")}
+        assert len({r.status for r in verdicts.values()}) == 1, (answer, verdicts)
+    assert check("04.bubble", 0.27).passed
+
+
 # --------------------------------------------------------------------------- choice / expr
 
 def test_choice():

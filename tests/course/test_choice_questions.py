@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -63,6 +63,51 @@ def test_the_rule_catches_a_give_away():
                prompt="Why?", working="C.")
     right, longest_wrong = _lengths(q)
     assert right > LONGEST_RATIO * longest_wrong
+
+
+# Over the whole course: no letter is the right one in more than this share of the choice
+# questions, every letter of the four-option questions is right somewhere, and the right
+# option is the shortest in at most this share (a learner who guesses the shortest, or B,
+# must not do better than chance by much).
+LETTER_SHARE = 0.4
+SHORTEST_SHARE = 1 / 3
+
+
+def _spread_problems(choices: dict[str, Choice]) -> list[str]:
+    """What gives the right letters away over a set of choice questions (empty: nothing)."""
+    n = len(choices)
+    letters = Counter(q.answer for q in choices.values())
+    problems = [f"the right option is {letter} in {count} of {n} questions"
+                for letter, count in sorted(letters.items()) if count > LETTER_SHARE * n]
+    four = {letter for q in choices.values() if len(q.options) >= 4 for letter in q.options}
+    problems += [f"{letter} is never the right option" for letter in sorted(four - set(letters))]
+    shortest = [qid for qid, q in choices.items()
+                if len(q.options[q.answer]) <= min(len(v) for v in q.options.values())]
+    if len(shortest) > SHORTEST_SHARE * n:
+        problems.append(f"the right option is the shortest in {len(shortest)} of {n}: "
+                        f"{shortest}")
+    return problems
+
+
+def test_right_letters_are_spread_over_the_course():
+    assert len(CHOICES) >= 12
+    assert _spread_problems(CHOICES) == []
+
+
+def test_the_spread_rule_catches_the_old_course():
+    # the course as it was: B right in 11 of 18 questions, D in none, the right option the
+    # shortest in 10
+    def question(i: int, answer: str, shortest: bool) -> Choice:
+        options = {k: "a wrong option, longer" for k in "ABCD"}
+        options[answer] = "right" if shortest else "the right option, longest of all"
+        return Choice(f"99.q{i}", answer, options=options, prompt="?", working=answer)
+
+    answers = "B" * 11 + "C" * 5 + "A" * 2
+    old = {f"99.q{i}": question(i, a, i < 10) for i, a in enumerate(answers)}
+    problems = _spread_problems(old)
+    assert any("B in 11 of 18" in p for p in problems)
+    assert "D is never the right option" in problems
+    assert any("shortest in 10 of 18" in p for p in problems)
 
 
 _FORMULA = re.compile(r"\(p\s*-\s*1\)\s*/\s*\(")  # the bubble's (p - 1) / (...)

@@ -134,10 +134,10 @@ register(
 register(
     Choice(
         "01.memory_wall",
-        "B",
+        "A",
         options={
-            "A": "It fits: 64 GPUs x 80 GB = 5,120 GB, far more than 320 GB.",
-            "B": "It does not fit: each GPU must hold all 320 GB.",
+            "A": "It does not fit: each GPU must hold all 320 GB by itself.",
+            "B": "It fits: 64 GPUs x 80 GB = 5,120 GB, far more than 320 GB.",
             "C": "It fits once the per-GPU batch is cut to one example.",
             "D": "It fits, because the all-reduce averages the memory across the GPUs.",
         },
@@ -147,7 +147,7 @@ register(
         use plain data parallelism. What happens? Give one letter.
     """,
         working="""
-        **B**. Data parallelism copies the whole model (weights, gradients, optimizer state)
+        **A**. Data parallelism copies the whole model (weights, gradients, optimizer state)
         onto every device and splits only the batch. Each GPU would need the full 320 GB,
         four times its 80 GB, however many GPUs you add. This is the memory wall: past it
         you must split the model itself, with ZeRO/FSDP sharding of the model states,
@@ -155,7 +155,7 @@ register(
         activations; the all-reduce, D, averages gradients, not memory.)
     """,
         hints={
-            "A": "under data parallelism memory does not pool: what does each single GPU hold?",
+            "B": "under data parallelism memory does not pool: what does each single GPU hold?",
             "C": "a smaller batch shrinks the activations, but the 320 GB of model states stay",
             "D": "the all-reduce averages the gradients' values; every GPU still stores "
             "all of them",

@@ -182,29 +182,29 @@ register(Choice(
 
 register(Choice(
     "02.fast_links",
-    "B",
+    "D",
     options={
         "A": "ZeRO-3 sends N times the bytes of plain data parallelism, so it needs N "
              "times the bandwidth, and large units split those bytes into fewer pieces.",
-        "B": "Each unit must wait for its weights' all-gather; prefetching hides it only "
-             "behind the previous unit's compute.",
+        "B": "The more units a model is cut into, the more bytes ZeRO-3 sends per step, "
+             "and slow links make those extra bytes the bottleneck.",
         "C": "Large units need less memory while gathered, and fast links keep the "
              "gathered weights from going stale between the steps.",
-        "D": "The more units a model is cut into, the more bytes ZeRO-3 sends per step, "
-             "and slow links make those extra bytes the bottleneck.",
+        "D": "Each unit must wait for its weights' all-gather; prefetching hides it only "
+             "behind the previous unit's compute.",
     },
     prompt="""
         FSDP / ZeRO-3 runs well on GPUs joined by fast links and with units of a block or
         more, and poorly on slow links or with many tiny units. Why? Give one letter.
     """,
     working="""
-        **B.** A unit cannot compute until its full weights have arrived, in forward and
+        **D.** A unit cannot compute until its full weights have arrived, in forward and
         again in backward. With prefetching, unit k+1's all-gather runs while unit k
         computes, so communication hides only if an all-gather takes less time than one
         unit's compute: a slow link stretches the gather past the window, and a tiny unit
         has a tiny window and a message dominated by the per-call latency.
 
-        The bytes per step are 3 x P x (N-1)/N whatever the number of units (D), 1.5
+        The bytes per step are 3 x P x (N-1)/N whatever the number of units (B), 1.5
         times plain data parallelism's, not N times (A). A larger unit needs *more*
         memory while gathered (C), and the gathered weights are fresh every time.
     """,
@@ -212,6 +212,6 @@ register(Choice(
         "A": "compare 3 x P x (N-1)/N with plain data parallelism's 2 x P x (N-1)/N",
         "C": "a gathered unit holds its full weights: does a larger unit need more memory "
              "or less?",
-        "D": "count ZeRO-3's bytes per step: does the number of units appear in it?",
+        "B": "count ZeRO-3's bytes per step: does the number of units appear in it?",
     },
 ))

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import functools
 import gc
-import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -73,13 +73,68 @@ def _tracked(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
+class _Pending:
+    """An async collective's handle: the result lands in the learner's output tensors only
+    at ``wait()`` (until then they hold NaN), so a compute that reads them before waiting
+    fails every time instead of only when the race is lost."""
+
+    def __init__(self, work: Any, outs: list[torch.Tensor]) -> None:
+        self._work = work
+        self._results = [t.detach().clone() for t in outs]
+        self._outs = outs
+        for t in outs:
+            if t.is_floating_point():
+                t.detach().fill_(float("nan"))
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        for t, result in zip(self._outs, self._results):
+            t.detach().copy_(result)
+        self._outs, self._results = [], []
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._outs
+
+    def __getattr__(self, name: str) -> Any:  # the rest of a Work's methods
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._work, name)
+
+
+def _storage(t: Any) -> Any:
+    """The plain CPU storage under ``t``, or None (not a tensor, a tensor subclass with no
+    storage of its own such as a functional collective's pending result, a freed one)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        return None
+    try:
+        storage = t.untyped_storage()
+        return storage if storage.data_ptr() else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _holds_weights(t: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """Does the storage under ``t`` hold other ranks' rows of some unit's W (``weights``:
+    each unit's rows this rank does not own, as they are at the first step)?"""
+    storage = _storage(t)
+    if storage is None or not t.is_floating_point() or storage.nbytes() % t.element_size():
+        return False
+    flat = torch.empty(0, dtype=t.dtype).set_(storage).detach()
+    return any(bool(torch.isin(w.to(t.dtype), flat).float().mean() > 0.5) for w in weights
+               if flat.numel() >= w.numel())
+
+
 class _Recorder:
-    """Every collective the learner's unit issues while ``on``: the op and weakrefs to the
-    tensors it wrote (the gathered weights, the reduced gradients)."""
+    """Every collective the learner's unit issues while ``on``: the op (an all-reduce whose
+    output holds a unit's weights is "all_reduce_gather"), the bytes it wrote, weakrefs to
+    those tensors and whether it was functional. An async one reaches its outputs at
+    ``wait()`` only (:class:`_Pending`); ``waits`` counts those issued."""
 
     def __init__(self) -> None:
         self.on = False
         self.calls: list[tuple[str, int, list[weakref.ref], bool]] = []
+        self.weights: list[torch.Tensor] = []  # other ranks' rows of each unit's W
+        self.asynchronous = 0
 
     def around(self, call: Any, proceed: Callable[[], Any]) -> Any:
         args = call.arguments
@@ -89,12 +144,21 @@ class _Recorder:
                 and any(_tracked(v) for v in args.values())):
             raise RuntimeError(f"{call.name} was {_NO_AUTOGRAD}")
         result = proceed()
-        if self.on:
-            out = args[keys[0]] if keys else result  # a functional collective returns it
-            outs = [t for t in (out if isinstance(out, (list, tuple)) else [out])
-                    if isinstance(t, torch.Tensor)]
-            self.calls.append((call.op, sum(t.numel() * t.element_size() for t in outs),
-                               [weakref.ref(t) for t in outs], not keys))
+        if not self.on:
+            return result
+        out = args[keys[0]] if keys else result  # a functional collective returns it
+        outs = [t for t in (out if isinstance(out, (list, tuple)) else [out])
+                if isinstance(t, torch.Tensor)]
+        if keys and call.async_op and result is not None:
+            result.wait()
+        op = call.op
+        if op == "all_reduce" and any(_holds_weights(t, self.weights) for t in outs):
+            op = "all_reduce_gather"
+        self.calls.append((op, sum(t.numel() * t.element_size() for t in outs),
+                           [weakref.ref(t) for t in outs], not keys))
+        if keys and call.async_op and result is not None:
+            self.asynchronous += 1
+            return _Pending(result, outs)
         return result
 
 
@@ -117,18 +181,51 @@ class _Unit(torch.nn.Module):
         return y.reshape(*x.shape[:-1], -1) + self.bias
 
 
-def _kept_bytes(rec: _Recorder, settle_s: float = 1.0) -> int:
-    """Bytes of gathered weights still alive. Reachable only (a cycle's garbage is not
-    held); gloo's finished work objects may hold a list all-gather's outputs a moment
-    longer, so a non-zero count is re-read until it settles or ``settle_s`` passes."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        gc.collect()
-        kept = sum(r().numel() * r().element_size() for op, _, refs, _ in rec.calls
-                   if op == "all_gather" for r in refs if r() is not None)
-        if kept == 0 or time.monotonic() > deadline:
-            return kept
-        time.sleep(0.02)
+def _saved_by_autograd(root: Any) -> Iterator[Any]:
+    """Every tensor the autograd graph under ``root`` keeps for backward: the saved tensors
+    of each node (``_saved_*``, an autograd.Function's ``saved_tensors``)."""
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names = [n for n in dir(node) if n.startswith("_saved_")] + ["saved_tensors"]
+        for name in names:
+            try:
+                value = getattr(node, name)
+            except Exception:  # noqa: BLE001 - freed, or not a tensor-saving node
+                continue
+            yield from (value if isinstance(value, (list, tuple)) else [value])
+        stack.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
+
+
+def _kept_bytes(logits: torch.Tensor, weights: list[torch.Tensor]) -> int:
+    """Bytes of storage alive between forward and backward that hold other ranks' rows of
+    a unit's W, whatever refers to it: autograd's saved tensors, or any Python object (a
+    ctx attribute, a module, a global). Judged by storage, so a view, a ``.detach()``, a
+    ``torch.cat`` of a list all-gather or an all-reduced buffer count the same; a cycle's
+    garbage is collected first, and ``weights`` themselves (the harness's) are left out."""
+    gc.collect()
+    mine = {w.untyped_storage().data_ptr() for w in weights}
+    candidates = list(_saved_by_autograd(logits.grad_fn))
+    # type(), not isinstance: an instance check may touch a deprecated object's attributes
+    candidates += [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+    storages: dict[int, int] = {}
+    for t in candidates:
+        storage = _storage(t)
+        if storage is None or storage.data_ptr() in mine or storage.data_ptr() in storages:
+            continue
+        storages[storage.data_ptr()] = storage.nbytes() if _holds_weights(t, weights) else 0
+    return sum(storages.values())
+
+
+def _others_rows(weight: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """The rows of ``weight`` that ``rank`` does not own, flattened: what only a gather
+    brings it."""
+    rows = weight.shape[0] // n
+    kept = torch.cat([weight[:rank * rows], weight[(rank + 1) * rows:]])
+    return kept.detach().reshape(-1).clone()
 
 
 def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
@@ -142,15 +239,16 @@ def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
 
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     model = build_model(cfg(), seed)
+    rec = _Recorder()
     for block in model.blocks:
         for path in _LINEARS:
             parent, name = path.split(".")
             owner = getattr(block, parent)
+            rec.weights.append(_others_rows(getattr(owner, name).weight, rank, n))
             setattr(owner, name, _Unit(getattr(owner, name), fn, group, rank, n))
     named = dict(model.named_parameters())
     shards = [k for k in named if k.endswith(".shard")]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    rec = _Recorder()
     out: dict[str, Any] = {"logits": [], "grads": [], "rank": rank, "n": n}
     with observing(rec):
         for step in range(STEPS):
@@ -166,7 +264,7 @@ def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
             finally:
                 rec.on = False
             if step == 0:  # what the units still hold between forward and backward
-                out["kept_bytes"] = _kept_bytes(rec)
+                out["kept_bytes"] = _kept_bytes(logits, rec.weights)
                 out["forward_ops"] = [(op, functional) for op, _, _, functional in rec.calls]
                 rec.calls.clear()
             rec.on = True
@@ -190,6 +288,7 @@ def _train(fn: Callable, group: Any, seed: int) -> dict[str, Any]:
                 if k not in shards:
                     dist.all_reduce(p.grad, group=group)
                     p.grad /= n
+            out["async_ops"] = rec.asynchronous
             out["logits"].append(logits.detach().clone())
             out["grads"].append({k: None if p.grad is None else p.grad.detach().clone()
                                  for k, p in named.items()})
@@ -308,6 +407,42 @@ def _all_reduced(case: Case) -> str:
             f"(comm.reduce_scatter)")
 
 
+def _wrong_value(case: Case) -> Any:
+    """The learner's tensor that ``first_wrong`` found wrong."""
+    kind, step, name = case.step
+    res = case.report
+    if kind == "logits":
+        return res["logits"][step]
+    if kind == "grad":
+        return res["grads"][step][name]
+    return res["params"].get(name) if kind == "param" else None
+
+
+def _used_before_wait(case: Case) -> bool:
+    """An async collective, and NaN where its output was read: its output holds NaN until
+    ``wait()`` (:class:`_Pending`), and this model's numbers are never NaN otherwise."""
+    got = _wrong_value(case) if _kind(case) != "error" else None
+    return bool(case.report.get("async_ops")) and isinstance(got, torch.Tensor) and bool(
+        got.isnan().any())
+
+
+def _gathers_by_all_reduce(case: Case) -> bool:
+    return any(op == "all_reduce_gather" for res in case.results
+               for which in ("forward_ops", "backward_ops") for op, _ in res.get(which, []))
+
+
+def _gathered_by_all_reduce(case: Case) -> str:
+    rank = next(r for r, res in enumerate(case.results) if any(
+        op == "all_reduce_gather" for which in ("forward_ops", "backward_ops")
+        for op, _ in res.get(which, [])))
+    n = case.results[rank]["n"]
+    return (f"your numbers are right, but rank {rank} gathers W with an all-reduce (each rank's "
+            f"rows in a zero-padded buffer, summed): an all-reduce is not a gather. It sends "
+            f"2 x (N-1)/N of the whole W per rank where an all-gather sends (N-1)/N, twice the "
+            f"traffic of every gather (N = {n}), to add zeros. Gather with comm.all_gather "
+            f"(every rank's rows, in rank order)")
+
+
 def _kept(case: Case) -> str:
     rank, res = max(enumerate(case.results), key=lambda item: item[1]["kept_bytes"])
     return (f"your numbers are right, but after the forward pass rank {rank} still holds "
@@ -344,6 +479,13 @@ DIAGNOSES = [
               "autograd keeps the gathered W until backward, the memory ZeRO-3 exists to "
               "save. Write a torch.autograd.Function: all-gather in forward, keep only the "
               "shard, gather again and reduce-scatter (then / N) in backward"),
+    Diagnosis("used_before_wait", _used_before_wait,
+              lambda c: f"rank {c.rank}'s {'forward' if c.step[0] == 'logits' else 'backward'}"
+              f" computed with an async collective's output before work.wait() (or never "
+              f"waited): a race. async_op=True returns at once, "
+              f"and the tensor it writes holds its result only once wait() has returned; "
+              f"here it held NaN until then. Call work.wait() before the first compute that "
+              f"reads it"),
     Diagnosis("no_shard_gradient", lambda c: _is_shard_grad(c) and _grads(c)[0] is None,
               lambda c: f"rank {c.rank}'s shard got no gradient: a collective is invisible "
               f"to autograd, so the gathered weight does not lead back to the shard. Wrap "
@@ -374,10 +516,12 @@ DIAGNOSES = [
               f"single-device training: the weights changed between steps. Does your "
               f"function write into the shard in place (as a collective's output, say)? "
               f"Only the optimizer may change it"),
-    Diagnosis("all_reduced_gradients", lambda c: "all_reduce" in _ops(c, "backward_ops"),
-              _all_reduced, right=True),
     Diagnosis("kept_gathered_weights", lambda c: c.results[0]["kept_bytes"] > 0 or any(
         res["kept_bytes"] > 0 for res in c.results), _kept, right=True),
+    Diagnosis("gathered_by_all_reduce", _gathers_by_all_reduce, _gathered_by_all_reduce,
+              right=True),
+    Diagnosis("all_reduced_gradients", lambda c: "all_reduce" in _ops(c, "backward_ops"),
+              _all_reduced, right=True),
 ]
 
 _PAIRS = "on two 2-rank groups of a 4-rank world"

@@ -99,14 +99,14 @@ register(Numeric(
 
 register(Choice(
     "03.slow_link",
-    "B",
+    "D",
     options={
         "A": "t = 16 tensor parallelism over all 16 GPUs: the most memory saved per GPU.",
-        "B": "t = 8 tensor parallelism inside each node, data parallelism (N = 2) across "
-             "the two nodes.",
+        "B": "Any of them: the bytes per step are the same, so the link does not matter.",
         "C": "data parallelism (N = 8) inside each node, t = 2 tensor parallelism across "
              "the two nodes.",
-        "D": "Any of them: the bytes per step are the same, so the link does not matter.",
+        "D": "t = 8 tensor parallelism inside each node, data parallelism (N = 2) across "
+             "the two nodes.",
     },
     prompt="""
         You have 2 nodes of 8 GPUs. Inside a node the GPUs share NVLink (hundreds of GB/s);
@@ -114,13 +114,13 @@ register(Choice(
         when split 8 ways. How do you lay out the 16 GPUs? Give one letter.
     """,
     working="""
-        **B.** Tensor parallelism all-reduces the activations 4 times per layer for every
+        **D.** Tensor parallelism all-reduces the activations 4 times per layer for every
         microbatch, and each all-reduce sits on the critical path: the next matmul waits
         for it. It needs the fastest link, so keep its t ranks inside a node. Data
         parallelism sends the gradients once per step, in a few large buckets that can
         overlap with backward: it tolerates the slow link between nodes. C puts the
         chatty traffic on the slow link and the patient traffic on the fast one, the
-        worst of both; A puts half of every all-reduce's ring on the slow link; D is
+        worst of both; A puts half of every all-reduce's ring on the slow link; B is
         wrong because the two strategies send different things at different rates (and
         time per byte is what differs between the links).
     """,
@@ -129,7 +129,7 @@ register(Choice(
              "4 times per layer per microbatch",
         "C": "which traffic is on the critical path of every layer, and which once per "
              "step and overlappable?",
-        "D": "the link's time per byte differs by orders of magnitude, and so does when "
+        "B": "the link's time per byte differs by orders of magnitude, and so does when "
              "each strategy sends",
     },
 ))

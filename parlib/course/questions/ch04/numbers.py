@@ -11,20 +11,21 @@ from parlib.cost import (
     predicted_sent_bytes,
     schedule_compute_time,
 )
-from parlib.course.question_types import Choice, Numeric
+from parlib.course.question_types import Choice, Numeric, RoundedFraction
 from parlib.course.registry import register
 
 MiB = 2**20
 
 # --------------------------------------------------------------------------- numeric
 
-register(Numeric(
+register(RoundedFraction(
     "04.bubble_naive",
     bubble_fraction(4, 1),
     prompt="""
         Four stages in a line run one batch with no microbatches (m = 1): each stage does
         its forward, then the backward comes back. What fraction of the step is each
-        stage idle? Give a number between 0 and 1.
+        stage idle? Give a number between 0 and 1, to two digits or more (an answer is
+        judged by the rounding of the digits you give).
     """,
     working="""
         Count time in slots of one stage's forward + backward of the batch. The step lasts
@@ -42,13 +43,14 @@ register(Numeric(
     },
 ))
 
-register(Numeric(
+register(RoundedFraction(
     "04.bubble",
     bubble_fraction(4, 8),
     prompt="""
         The same four stages now cut the batch into m = 8 microbatches and run GPipe (all
         forwards, then all backwards). What fraction of the step is a stage idle? Give a
-        number between 0 and 1 (a fraction such as 1/5 is fine).
+        number between 0 and 1, to two digits or more (an answer is judged by the rounding
+        of the digits you give; a fraction such as 1/5 is fine).
     """,
     working="""
         The step now lasts m + p - 1 = 8 + 3 = 11 slots of one microbatch's forward +
@@ -189,12 +191,12 @@ register(Numeric(
 
 register(Choice(
     "04.more_stages",
-    "B",
+    "A",
     options={
-        "A": "Adding stages removes the bubble, as long as every stage gets the same number "
+        "A": "Each extra stage adds one more slot of fill and one of drain: the idle "
+             "fraction grows with p.",
+        "B": "Adding stages removes the bubble, as long as every stage gets the same number "
              "of layers.",
-        "B": "Each extra stage adds a slot of fill and of drain: the idle fraction grows "
-             "with p.",
         "C": "The bubble is caused by slow links between stages; more stages do not make "
              "links faster.",
         "D": "The bubble is caused by the gradient all-reduce at the end of the step, which "
@@ -205,7 +207,7 @@ register(Choice(
         stages ("each stage then finishes sooner"). Why does that not work? Give one letter.
     """,
     working="""
-        **B**. With p stages, the first microbatch needs p - 1 slots to reach the last
+        **A**. With p stages, the first microbatch needs p - 1 slots to reach the last
         stage, and the last one needs p - 1 slots to come back: the fill and drain do not
         depend on how short a stage is, only on how many there are. Shorter stages shrink
         each slot, and the whole step with it, but the idle fraction (p-1)/(m+p-1) grows
@@ -213,7 +215,7 @@ register(Choice(
         exists even with infinitely fast links (C) and without any all-reduce (D).
     """,
     hints={
-        "A": "try p = 8 instead of 4 with m = 8 in (p-1)/(m+p-1): does the bubble shrink?",
+        "B": "try p = 8 instead of 4 with m = 8 in (p-1)/(m+p-1): does the bubble shrink?",
         "C": "the bubble appears in the timelines even with instant links: it is stages "
              "waiting for work, not for bytes",
         "D": "a pipeline alone has no all-reduce; the bubble is the pipe filling and draining",
@@ -228,7 +230,7 @@ register(Choice(
     options={
         "A": "After every microbatch's backward, all 8 ranks all-reduce all their gradients.",
         "B": "Once per step, all 8 ranks all-reduce the whole model's gradients together.",
-        "C": "Once per step: each stage with its twin stage in the other copy.",
+        "C": "Once per step: each stage all-reduces with its twin stage in the other copy.",
         "D": "Never: the pipeline's send and recv already carry the gradients between the "
              "copies.",
     },
@@ -264,14 +266,15 @@ register(Choice(
 
 _P_IL, _M_IL, _V_IL = 4, 8, 2
 
-register(Numeric(
+register(RoundedFraction(
     "04.interleaved_bubble",
     bubble_fraction(_P_IL, _M_IL, _V_IL),
     prompt="""
         p = 4 ranks, m = 8 microbatches, and each rank now holds v = 2 model chunks
         (interleaved 1F1B: rank r holds virtual stages r and r + 4, each half of its old
         stage's layers). In the ideal timeline (equal chunk times, instant messages), what
-        fraction of the step is a rank idle? Give a number between 0 and 1.
+        fraction of the step is a rank idle? Give a number between 0 and 1, to two digits
+        or more (an answer is judged by the rounding of the digits you give).
     """,
     working=f"""
         Count in slots of one chunk's forward + backward of one microbatch: half a stage's
@@ -361,7 +364,7 @@ _IDLE_1F1B = _idle_per_rank("1f1b", _P_ZB, _M_ZB, _TF, _TB, _TW)
 _IDLE_ZB = _idle_per_rank("zb-h1", _P_ZB, _M_ZB, _TF, _TB, _TW)
 _IDLE_ZB_EQUAL = _idle_per_rank("zb-h1", _P_ZB, _M_ZB, _TF, _TB, _TB / 2)
 
-register(Numeric(
+register(RoundedFraction(
     "04.zb_removed",
     1 - _IDLE_ZB / _IDLE_1F1B,
     prompt="""
@@ -370,7 +373,8 @@ register(Numeric(
         weight gradients and 1.2 ms the input gradient. ZB-H1 splits the backward into
         B (input gradient) and W (weight gradients) and moves the W into the bubble,
         keeping 1F1B's memory. What fraction of 1F1B's bubble (a rank's idle time per
-        step) does ZB-H1 remove? Give a number between 0 and 1.
+        step) does ZB-H1 remove? Give a number between 0 and 1, to two digits or more (an
+        answer is judged by the rounding of the digits you give).
     """,
     working=f"""
         1F1B's idle time per rank is p - 1 = 3 slots of a stage's forward + full backward:
@@ -414,12 +418,12 @@ _IL_PEAK, _IL_BUBBLE = _PEAKS["interleaved"], bubble_fraction(_P_MEM, _M_MEM, 2)
 
 register(Choice(
     "04.schedule_for_memory",
-    "B",
+    "D",
     options={
         "A": "GPipe: it keeps every microbatch until the flush, so it never stalls.",
-        "B": "ZB-H1: it keeps 1F1B's peak and fills the cool-down with the W.",
-        "C": "1F1B: no schedule with this bubble holds fewer than p microbatches.",
-        "D": "Interleaved 1F1B, v = 2: it divides the bubble by v at the same peak.",
+        "B": "Interleaved 1F1B, v = 2: it divides the bubble by v at the same peak.",
+        "C": "1F1B: no schedule with its bubble holds fewer than p microbatches.",
+        "D": "ZB-H1: it keeps 1F1B's peak, and it fills the cool-down with the W.",
     },
     prompt="""
         p = 4 stages, m = 16 microbatches. Each rank has room for the saved activations of
@@ -428,7 +432,7 @@ register(Choice(
         fit, which has the smallest bubble? Give one letter.
     """,
     working=f"""
-        **B**. Count the peak on the first rank, which holds the most. GPipe holds all
+        **D**. Count the peak on the first rank, which holds the most. GPipe holds all
         m = {_PEAKS['gpipe']} microbatches: it does not fit. 1F1B holds p = {_PEAKS['1f1b']}: it
         fits, with a bubble of {bubble_fraction(_P_MEM, _M_MEM):.3f} of the step. ZB-H1 holds
         the same {_PEAKS['zb-h1']} (a microbatch counts until its W, and each W runs before
@@ -440,7 +444,7 @@ register(Choice(
     hints={
         "A": "GPipe holds the activations of all m microbatches at its peak: does 16 fit in 4?",
         "C": "1F1B fits, but another schedule holds exactly as much and waits less",
-        "D": "count the interleaved schedule's warm-up forwards on rank 0: each chunk "
+        "B": "count the interleaved schedule's warm-up forwards on rank 0: each chunk "
              "microbatch counts half, but there are more than 8 of them",
     },
 ))

@@ -22,8 +22,8 @@ SEED = 5
 BATCH = 8
 
 # (p, m) the 1F1B plan is judged on, in this order: the first wrong one is diagnosed.
-# m < p last: there the warm-up is capped at m.
-ONE_F_ONE_B_SETTINGS = ((2, 4), (4, 8), (4, 2))
+# m > p, m = p (the pipe just full), then m < p last: there the warm-up is capped at m.
+ONE_F_ONE_B_SETTINGS = ((2, 4), (4, 8), (4, 4), (4, 2))
 
 ONE_F_ONE_B_SOLUTION = """\
 def one_f_one_b(p, m, rank):
@@ -35,8 +35,9 @@ def one_f_one_b(p, m, rank):
     return ops
 """
 
-# name -> (p, m) of the ZB-H1 cases, judged in this order
-ZB_CASES: dict[str, tuple[int, int]] = {"p4_m8": (4, 8), "p2_m4": (2, 4), "p4_m4": (4, 4)}
+# name -> (p, m) of the ZB-H1 cases, judged in this order: m > p, m = p, m < p
+ZB_CASES: dict[str, tuple[int, int]] = {"p4_m8": (4, 8), "p2_m4": (2, 4), "p4_m4": (4, 4),
+                                        "p4_m2": (4, 2)}
 # op times of the simulated timeline: forward, full backward (B + W), weight part
 ZB_TIMES = dict(t_f=1.0, t_b=2.0, t_w=1.0)
 
@@ -71,14 +72,51 @@ def _ops_problem(sched: dict[int, Any]) -> dict[str, Any] | None:
     return None
 
 
+# The calls that read the process group, each with two values it is made to return: a
+# schedule that changes between them depends on the process, not on the arguments.
+GROUP_CALLS = {"get_rank": lambda p: (0, p - 1), "get_world_size": lambda p: (1, p + 1)}
+
+
+def _ops_under(fn: Callable, p: int, m: int, call: str, value: int) -> str:
+    """Every rank's ops (as text: anything but an Op by its type alone, so that the text
+    does not change from call to call) while ``dist.<call>()`` returns ``value``."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from parlib.strategies.schedules import Op
+
+    def text(ops: Any) -> str:
+        if not isinstance(ops, (list, tuple)):
+            return type(ops).__name__
+        return " ".join(repr(op) if isinstance(op, Op) else type(op).__name__ for op in ops)
+
+    with mock.patch.object(dist, call, lambda *args, **kwargs: value):
+        try:
+            return " | ".join(text(fn(p, m, r)) for r in range(p))
+        except Exception as err:  # noqa: BLE001 -- raising under one value is depending on it
+            return f"raised {type(err).__name__}"
+
+
+def _group_calls(fn: Callable, p: int, m: int) -> list[str]:
+    """The process-group calls (dist.get_rank(), dist.get_world_size()) whose value changes
+    the ops ``fn`` returns: a schedule must be a function of (p, m, rank) alone, since the
+    check asks one process for every rank's ops."""
+    return [f"dist.{call}()" for call, values in GROUP_CALLS.items()
+            if len({_ops_under(fn, p, m, call, v) for v in values(p)}) > 1]
+
+
 def _validated(fn: Callable, p: int, m: int) -> tuple[dict[int, list], dict[str, Any] | None]:
     """Every rank's ops from ``fn`` and the validator's verdict on them (None: valid)."""
     from parlib.strategies.schedule_check import ScheduleError, validate
 
+    calls = _group_calls(fn, p, m)  # first: read from the group, the ops mislead
     sched = {r: fn(p, m, r) for r in range(p)}
     bad = _ops_problem(sched)
     if bad is not None:
         return sched, bad
+    if calls:
+        return sched, {"problem": "reads_group", "calls": calls}
     sched = {r: list(ops) for r, ops in sched.items()}
     try:
         validate(sched, p, m)
@@ -198,6 +236,20 @@ def _beyond_m(c: Case) -> bool:
     return c.report["problem"] == "unknown" and op is not None and op.mb >= c.report["m"]
 
 
+def _group_hint(name: str) -> Callable[[Case], str]:
+    """The hint for a schedule that reads the process group instead of its arguments."""
+    def hint(c: Case) -> str:
+        calls = c.report["calls"]
+        args = " and ".join({"dist.get_rank()": "`rank`", "dist.get_world_size()": "`p`"}[x]
+                            for x in calls)
+        return (f"your function's ops change with what {' and '.join(calls)} returns: it "
+                f"takes the rank from the process group, not from its argument {args}. A "
+                f"schedule is a plan made for every rank: the check calls {name}(p, m, r) "
+                f"for r = 0, ..., p - 1 in one process, where the group says nothing of r. "
+                f"Build rank r's ops from the arguments (p, m, rank) alone")
+    return hint
+
+
 def _peaks(c: Case) -> str:
     return f"peak in flight per rank {c.report['peaks']}, 1F1B's {c.report['want']}"
 
@@ -231,6 +283,7 @@ ONE_F_ONE_B_DIAGNOSES = (
     Diagnosis("not_ops", _is("not_ops"),
               lambda c: f"{_setting(c)}: {c.report['message']}: return a list of Op, built "
               f"with F(i) and B(i) (from parlib.strategies.schedules)"),
+    Diagnosis("rank_from_group", _is("reads_group"), _group_hint("one_f_one_b")),
     Diagnosis("microbatch_beyond_m", _beyond_m,
               lambda c: f"{_says(c)}. There are only m = {c.report['m']} microbatches: when m "
               f"is smaller than p - 1 - rank, the warm-up runs all m forwards and no more "
@@ -291,10 +344,11 @@ ONE_F_ONE_B = register(RankExercise(
     prompt="""
         Write one_f_one_b(p, m, rank) -> list[Op]: the 1F1B schedule of one rank as data,
         built with F(i) (forward of microbatch i) and B(i) (its backward). Checked: the
-        schedule of every rank goes through the validator for (p, m) = (2, 4), (4, 8)
-        and (4, 2); rank r must hold at most p - r microbatches at once (m if fewer);
-        then it runs on 2 ranks (m = 4) and 4 ranks (m = 8) and its gradients are
-        compared with the single-device step (rtol 1e-4).
+        schedule of every rank goes through the validator for (p, m) = (2, 4), (4, 8),
+        (4, 4) and (4, 2), asked for every rank in one process; rank r must hold at most
+        p - r microbatches at once (m if fewer); then it runs on 2 ranks (m = 4) and 4
+        ranks (m = 8) and its gradients are compared with the single-device step (rtol
+        1e-4).
     """,
     explanation="""
         Start from GPipe, all forwards then all backwards, and move the backwards as early
@@ -373,6 +427,12 @@ def _bubbles(c: Case) -> str:
 ZB_DIAGNOSES = (
     Diagnosis("not_ops", _is("not_ops"),
               lambda c: f"{c.report['message']}: return a list of Op built with F, B and W"),
+    Diagnosis("rank_from_group", _is("reads_group"), _group_hint("zb_h1")),
+    Diagnosis("microbatch_beyond_m", _beyond_m,
+              lambda c: f"the validator says: {c.report['message']}. There are only m = "
+              f"{c.report['m']} microbatches: when m is smaller than p - 1 - rank, the "
+              f"warm-up runs all m forwards and no more (cap it at m), and the steady phase "
+              f"runs no forward"),
     Diagnosis("weight_before_backward",
               lambda c: c.report["problem"] == "order" and not c.report["between_ranks"],
               lambda c: f"the validator says: {c.report['message']}. W(i) computes the weight "
@@ -428,10 +488,11 @@ ZB_H1 = register(CaseExercise(
     prompt="""
         Write zb_h1(p, m, rank) -> list[Op]: the ZB-H1 zero-bubble schedule of one rank,
         built with F(i), B(i) (now the input-gradient half of the backward) and W(i) (the
-        weight-gradient half). Checked for (p, m) = (4, 8), (2, 4), (4, 4): the validator
-        accepts it; no rank holds more microbatches than 1F1B's first rank does (a
-        microbatch is held from its F to its W); and its simulated step (t_f = 1, B = 1,
-        W = 1, instant messages) is as short as ZB-H1's.
+        weight-gradient half). Checked for (p, m) = (4, 8), (2, 4), (4, 4), (4, 2), every
+        rank asked for in one process: the validator accepts it; no rank holds more
+        microbatches than 1F1B's first rank does (a microbatch is held from its F to its
+        W); and its simulated step (t_f = 1, B = 1, W = 1, instant messages) is as short as
+        ZB-H1's.
     """,
     explanation="""
         Keep 1F1B's F and B exactly where they were: the same warm-up of p - 1 - rank

@@ -1,6 +1,7 @@
 """05.merge_partials: merge two partial attention results with the online softmax, judged
 against the full softmax on random blocks (with causal masks that leave rows fully masked on
-one side or on both, and scores large enough to overflow exp)."""
+one side, either one, or on both, and scores large enough to overflow exp, also on the rows
+that see one side only)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ CASES: dict[str, tuple[Any, int, int, float]] = {
     "causal": (range(2, 8), 0, 5, 1.0),  # queries 2..4 see nothing of block b (5..9)
     "large": (None, 0, 0, 300.0),
     "masked": (range(0, 6), 3, 8, 1.0),  # queries 0..2 see nothing on either side
+    # large scores on rows that see one block only: queries 2..4 see nothing of block b,
+    # then (the blocks swapped) nothing of block a, so either side may be the one seen
+    "causal_large": (range(2, 8), 0, 5, 300.0),
+    "swapped_large": (range(2, 8), 5, 0, 300.0),
 }
 
 MERGE_SOLUTION = '''\
@@ -135,9 +140,49 @@ def _nan_on_masked_rows_only(c: Case) -> bool:
     return bool(torch.equal(nan_rows, dead)) and close(out[~dead], k["out"][~dead])
 
 
+def _bad_rows(c: Case) -> torch.Tensor:
+    """(b, a, s_q): the rows whose out or lse is inf or NaN where the softmax's is not."""
+    k = _blk(c)
+    return ((~torch.isfinite(c.report["out"])).any(-1)
+            | (~torch.isfinite(c.report["lse"]) & torch.isfinite(k["lse"])))
+
+
 def _overflow(c: Case) -> bool:
-    return c.report["case"] == "large" and _what(c) in ("out", "lse") and not bool(
-        torch.isfinite(c.report["out"]).all() and torch.isfinite(c.report["lse"]).all())
+    return CASES[c.report["case"]][3] > 1 and _what(c) in ("out", "lse") and bool(
+        _bad_rows(c).any())
+
+
+def _overflow_on_one_side_rows(c: Case) -> bool:
+    """inf or NaN only on rows that see keys in one block alone (the other's lse -inf): the
+    guard against -inf - (-inf) keyed on one side's lse, not on the max."""
+    if not _overflow(c):
+        return False
+    k = _blk(c)
+    one_side = torch.isfinite(k["lse_a"]) ^ torch.isfinite(k["lse_b"])
+    return not bool((_bad_rows(c) & ~one_side).any())
+
+
+def _finite_where_nothing(c: Case) -> bool:
+    """lse finite on rows that see no key at all (the softmax's -inf)."""
+    if _what(c) != "lse":
+        return False
+    dead = torch.isneginf(_blk(c)["lse"])
+    return bool(torch.isfinite(c.report["lse"][dead]).any())
+
+
+def _finite_where_nothing_hint(c: Case) -> str:
+    dead = torch.isneginf(_blk(c)["lse"])
+    value = c.report["lse"][dead & torch.isfinite(c.report["lse"])].min().item()
+    head = (f"on the rows that see no key on either side your lse is {value:.3g}, where the "
+            f"full softmax's is -inf (log 0)")
+    if value < -1e4:
+        return (f"{head}: that is a sentinel standing in for -inf (like -1e9), and a "
+                "sentinel is a number: the next merge weighs such a row as a block that was "
+                "seen. Keep -inf for \"nothing seen\" and guard the max instead: replace a "
+                "non-finite max by 0 and divide only where the total is positive")
+    return (f"{head}: with both weights 0 the total is 0, and the merged lse is the max plus "
+            "log(total) = log 0 = -inf; take the log of the total itself, not of a value put "
+            "in its place to avoid dividing by 0")
 
 
 def _worst(c: Case) -> str:
@@ -150,7 +195,9 @@ def _worst(c: Case) -> str:
 _WHERE = {"plain": "random blocks without a mask",
           "causal": "a causal mask under which some rows see nothing in block b (lse_b -inf)",
           "large": "large scores (log-sum-exps about 10^2, past where exp overflows in fp32)",
-          "masked": "a causal mask under which some rows see nothing on either side"}
+          "masked": "a causal mask under which some rows see nothing on either side",
+          "causal_large": "large scores, with rows that see nothing in block b (lse_b -inf)",
+          "swapped_large": "large scores, with rows that see nothing in block a (lse_a -inf)"}
 
 DIAGNOSES = (
     Diagnosis("not_a_pair", lambda c: _what(c) == "not_pair",
@@ -160,6 +207,12 @@ DIAGNOSES = (
               lambda c: f"out and lse have shapes {c.report['problem'][1]}, expected "
               f"{tuple(_blk(c)['out'].shape)} and {tuple(_blk(c)['lse'].shape)}: the merged "
               "result has the shapes of each partial"),
+    Diagnosis("guard_on_one_side", _overflow_on_one_side_rows,
+              "inf or NaN only on rows that see keys in one block alone: there one lse is "
+              "-inf and the other large, and the running max must be the seen side's lse. "
+              "Take m = max(lse_a, lse_b) and replace it by 0 only where m itself is not "
+              "finite (both sides -inf): a guard on lse_a or lse_b alone sets m = 0 on rows "
+              "that saw keys, and exp(lse - 0) overflows"),
     Diagnosis("no_running_max", _overflow,
               "your result is inf or NaN: exp(lse) overflows fp32 past 88. "
               "Subtract the running max m = max(lse_a, lse_b) before exp: weigh each side by "
@@ -180,6 +233,7 @@ DIAGNOSES = (
     Diagnosis("one_lse_ignored", _one_side_unweighted,
               "one side is weighed as if its log-sum-exp were the running max (weight 1): "
               "weigh both sides, exp(lse_a - m) and exp(lse_b - m)"),
+    Diagnosis("lse_not_minus_inf", _finite_where_nothing, _finite_where_nothing_hint),
     Diagnosis("lse_not_merged", _lse_of_one_side,
               "out is right, but the lse you return is one side's: the merged log-sum-exp is "
               "log(exp(lse_a) + exp(lse_b)) (= m + log(exp(lse_a - m) + exp(lse_b - m))), "
@@ -217,8 +271,9 @@ QUESTION = register(CaseExercise(
         Return the result over both blocks: the attention output and log-sum-exp of the
         full softmax. A row that sees no key on either side comes out as out 0, lse -inf.
         Checked against the full softmax on random blocks: without a mask, with causal
-        masks that leave rows fully masked on one side and on both, and with scores large
-        enough that exp overflows in fp32 (tolerance rtol 1e-4).
+        masks that leave rows fully masked on one side (either one) and on both, and with
+        scores large enough that exp overflows in fp32, also on rows that see one side
+        only (tolerance rtol 1e-4).
     """,
     explanation="""
         A block's out is sum_j exp(s_j) v_j / exp(lse_x): the weighted values over that

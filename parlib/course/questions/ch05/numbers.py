@@ -197,8 +197,8 @@ register(Choice(
              "moves s x kv_dim K/V blocks, which can hide behind attention.",
         "C": "Tensor parallelism cannot divide activation memory at all, so raising t to 16 "
              "would leave each GPU's activation memory for the long sequence unchanged.",
-        "D": "Context parallelism sends no bytes at all: every layer works token by token, "
-             "attention included, so each rank only needs the tokens it already holds.",
+        "D": "Context parallelism sends no bytes: every layer, attention included, works "
+             "token by token on the tokens a rank holds.",
     },
     prompt="""
         A model trains with t = 8 tensor parallelism (with sequence parallelism) inside

@@ -1,6 +1,8 @@
 """05.ring_forward: the forward of ring attention on ranks, a
 :class:`~parlib.course.on_ranks.RankExercise` judged against single-device attention for
-cp = 2 and 4 (causal and not), then on two cp groups of 2 inside a 4-rank world."""
+cp = 2 and 4 (causal and not, batch and heads above 1), then on two cp groups of 2 inside a
+4-rank world, of consecutive ranks and not; with right numbers, on what a ring sends (cp - 1
+blocks) and holds (one block at a time, never all of K and V)."""
 
 from __future__ import annotations
 
@@ -9,15 +11,23 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from parlib.course.answers import plain_tensor
-from parlib.course.on_ranks import Case, Diagnosis, RankExercise, World, always
+from parlib.course.on_ranks import (
+    Case,
+    Diagnosis,
+    RankExercise,
+    World,
+    always,
+    rank_error_is_stuck,
+)
 from parlib.course.registry import register
 from parlib.strategies.context_ops import block_attention, merge_partials
 from parlib.verify import close
 
 SEED = 11
-B, HEADS, SEQ, D = 1, 2, 8, 4  # SEQ splits into 2 and 4 chunks
+B, HEADS, SEQ, D = 2, 2, 8, 4  # SEQ splits into 2 and 4 chunks
 SETTINGS = ("causal", "full")  # each launch runs both, causal first
 P2P_OPS = {"send", "recv", "isend", "irecv", "barrier"}
 
@@ -54,35 +64,75 @@ def _inputs(group_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return tuple(torch.randn(B, HEADS, SEQ, D, generator=gen) for _ in range(3))
 
 
+def _layout_groups(layout: str, size: int) -> list[list[int]]:
+    """The cp groups of a launch: the whole world, consecutive pairs ({0, 1}, {2, 3}) or
+    pairs of every other rank ({0, 2}, {1, 3})."""
+    if layout == "pairs":
+        return [[r, r + 1] for r in range(0, size, 2)]
+    if layout == "strided":
+        return [list(range(first, size, 2)) for first in range(2)]
+    return [list(range(size))]
+
+
 def _groups(world: World) -> list[list[int]]:
-    """The cp groups of a launch: the whole world, or consecutive pairs."""
-    if world.args and world.args[0] == "pairs":
-        return [[r, r + 1] for r in range(0, world.size, 2)]
-    return [list(range(world.size))]
+    return _layout_groups(world.args[0] if world.args else "world", world.size)
+
+
+class _KeysHeld(TorchFunctionMode):
+    """While active, the most key positions any torch call returned in one tensor: dim -2
+    of keys or values (b, heads, keys, head_dim), the last dim of scores (b, heads, s/cp,
+    keys). Above s/cp, the rank held more of K and V than the one block a ring holds."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size, self.most = size, 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 4:
+                keys = t.shape[-2] if t.shape[-1] == D else 0
+                scores = t.shape[-1] if t.shape[-2] == self.size and t.shape[-1] != D else 0
+                self.most = max(self.most, keys, scores)
+        return out
+
+
+def _held_and_sent(fn: Callable, args: tuple, size: int) -> tuple[Any, int, int, list[str]]:
+    """The learner's output, the most key positions held at once, the bytes sent and the
+    process-group calls, of one forward."""
+    from parlib.measure import CommLog
+
+    with CommLog(deep=True) as log, _KeysHeld(size) as held:
+        got = fn(*args)
+    sent = sum(r.nbytes for r in log.records if r.op == "send")
+    return got, held.most, sent, list(log.pg_calls)
 
 
 def _ring_rank(fn: Callable, layout: str = "world") -> dict[str, Any]:
     """On every rank: the learner's forward on this rank's chunk of its group's sequence,
-    causal and not, with the collectives it used."""
+    causal and not, with the collectives it used, the bytes it sent and the most key
+    positions it held at once."""
     import torch.distributed as dist
 
-    from parlib.measure import CommLog
-
     rank, world = dist.get_rank(), dist.get_world_size()
-    if layout == "pairs":
-        groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank, each
-        index, group = rank // 2, groups[rank // 2]
-    else:
-        index, group = 0, dist.group.WORLD
+    members = _layout_groups(layout, world)
+    groups = [dist.new_group(m) if layout != "world" else dist.group.WORLD
+              for m in members]  # every rank makes every group, in the same order
+    index = next(i for i, m in enumerate(members) if rank in m)
+    group = groups[index]
     r, cp = dist.get_rank(group), dist.get_world_size(group)
     q, k, v = _inputs(index)
-    mine = slice(r * (SEQ // cp), (r + 1) * (SEQ // cp))
-    report: dict[str, Any] = {"ops": set()}
+    size = SEQ // cp
+    mine = slice(r * size, (r + 1) * size)
+    report: dict[str, Any] = {"ops": set(), "cp": cp, "size": size,
+                              "block_bytes": 2 * k[..., mine, :].nbytes}
     for setting in SETTINGS:
-        with CommLog(deep=True) as log:
-            got = fn(q[..., mine, :].clone(), k[..., mine, :].clone(),
-                     v[..., mine, :].clone(), group, setting == "causal")
-        report["ops"] |= set(log.pg_calls)
+        args = (q[..., mine, :].clone(), k[..., mine, :].clone(), v[..., mine, :].clone(),
+                group, setting == "causal")
+        got, held, sent, calls = _held_and_sent(fn, args, size)
+        report["ops"] |= set(calls)
+        report[f"held_{setting}"], report[f"sent_{setting}"] = held, sent
         plain = plain_tensor(got)
         report[setting] = plain.detach().clone() if plain is not None else type(got).__name__
     report["ops"] = sorted(report["ops"])
@@ -114,7 +164,7 @@ def _simulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, rank: 
 def _reference(world: World) -> list[dict[str, Any]]:
     """Per global rank: single-device attention's rows of its chunk, causal and not, and the
     candidates of the mistakes (causal)."""
-    per_rank: list[dict[str, Any]] = []
+    per_rank: list[dict[str, Any]] = [{} for _ in range(world.size)]
     for index, members in enumerate(_groups(world)):
         q, k, v = _inputs(index)
         cp = len(members)
@@ -122,7 +172,7 @@ def _reference(world: World) -> list[dict[str, Any]]:
         for r in range(cp):
             rows = slice(r * size, (r + 1) * size)
             back = {"held": lambda r, j: (r - j) % cp, "labelled": lambda r, j: (r - j) % cp}
-            per_rank.append({
+            per_rank[members[r]] = {
                 "causal": F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., rows, :],
                 "full": F.scaled_dot_product_attention(q, k, v)[..., rows, :],
                 "reversed": _simulate(q, k, v, cp, r, held=lambda r, j: (r + j) % cp,
@@ -131,7 +181,7 @@ def _reference(world: World) -> list[dict[str, Any]]:
                                           labelled=lambda r, j: (r - j - 1) % cp, steps=cp),
                 "local": _simulate(q, k, v, cp, r, **back, steps=cp, local=True),
                 "no_last": _simulate(q, k, v, cp, r, **back, steps=cp - 1) if cp > 1 else None,
-            })
+            }
     return per_rank
 
 
@@ -176,8 +226,90 @@ def _setting(c: Case) -> str:
     return "causal" if c.step == "causal" else "without a mask"
 
 
+def _most(c: Case, key: str) -> tuple[int, int]:
+    """(rank, value): the rank with the largest ``key_causal`` or ``key_full``."""
+    values = [max(res[f"{key}_{s}"] for s in SETTINGS) for res in c.results]
+    rank = max(range(len(values)), key=values.__getitem__)
+    return rank, values[rank]
+
+
+def _holds_all(c: Case) -> bool:
+    rank, held = _most(c, "held")
+    return held > c.results[rank]["size"]
+
+
+def _holds_all_hint(c: Case) -> str:
+    rank, held = _most(c, "held")
+    size = c.results[rank]["size"]
+    return (f"the output is right, but rank {rank} held the keys of {held} positions at once "
+            f"(a ring holds one block, s/cp = {size}): your function keeps the blocks and "
+            "attends over all of K and V at once. That is the all-gather variant, with its "
+            "memory (every rank holds the whole sequence's K and V), whatever carried the "
+            "blocks. Attend to each block as it arrives, fold the partial result into the "
+            "running one (merge_partials), and keep only the block you hold")
+
+
+def _sends_too_much(c: Case) -> bool:
+    rank, sent = _most(c, "sent")
+    res = c.results[rank]
+    return sent > (res["cp"] - 1) * res["block_bytes"]
+
+
+def _sends_too_much_hint(c: Case) -> str:
+    rank, sent = _most(c, "sent")
+    res = c.results[rank]
+    return (f"the output is right, but rank {rank} sent {sent / res['block_bytes']:g} blocks "
+            f"of K and V in one forward, not cp - 1 = {res['cp'] - 1}: its own block is "
+            "there at step 0 and the last one arrives after cp - 1 transfers, so the last "
+            "step sends nothing (05.ring_bytes counts cp - 1 per pass). A transfer more "
+            f"costs {res['block_bytes']} bytes per rank and layer here for a block nobody "
+            "uses")
+
+
+def _code_names(code: Any) -> set[str]:
+    """The names a function's code uses, its nested functions' included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
+
+
+def _named_rank_error(err: Any, world: World, fn: Callable) -> tuple[str, str] | None:
+    """A rank's failure this question can name: a blocking send that waits for a receive
+    its peer never posts, a neighbour outside the cp group, a hang only on groups of
+    ranks that are not consecutive."""
+    text = f"{err} {err.remote_traceback or ''}"
+    code = getattr(fn, "__code__", None)
+    if rank_error_is_stuck(err) and code is not None and "send" in _code_names(code):
+        return ("blocking_send", f"the ranks got stuck ({world.size} ranks) and your function "
+                "calls dist.send, which blocks until the peer receives: when every rank "
+                "sends first, each waits in send for a neighbour that is itself waiting in "
+                "send (gloo and NCCL alike). Start the send and the receive together, "
+                "dist.isend and dist.irecv (or dist.batch_isend_irecv), compute, then wait() "
+                "on both")
+    if "not part of group" in text or "not part of the group" in text:
+        return ("neighbour_outside_group", f"{_where_world(world)}: a rank named a neighbour "
+                "outside its cp group. Neighbours are positions in the group, (r + 1) mod cp "
+                "and (r - 1) mod cp, turned into global ranks by dist.get_global_rank(group, "
+                "position): a group's ranks need not be consecutive, so adding to your own "
+                "global rank lands outside it")
+    if rank_error_is_stuck(err) and world.args == ("strided",):
+        return ("not_consecutive", f"the ranks' sends and receives did not match "
+                f"{_where_world(world)}, though they did on groups of consecutive ranks: "
+                "take your place in the group from the group, dist.get_rank(group) (a "
+                "global rank mod cp is it only when the group's ranks are consecutive), and "
+                "name each neighbour by dist.get_global_rank(group, (r + 1) % cp)")
+    return None
+
+
+def _where_world(world: World) -> str:
+    groups = " and ".join("{" + ", ".join(map(str, m)) + "}" for m in _groups(world))
+    return f"on the cp groups {groups} of {world.size} ranks"
+
+
 DIAGNOSES = (
-    Diagnosis("ignores_group", lambda c: bool(c.setting.args) and c.setting.args[0] == "pairs",
+    Diagnosis("ignores_group", lambda c: bool(c.setting.args),
               lambda c: f"rank {c.rank}'s result is wrong here, though right when the group is "
               "the whole world: take the rank and cp from the group "
               "(dist.get_rank(group), dist.get_world_size(group)), name the neighbours by "
@@ -225,18 +357,24 @@ DIAGNOSES = (
               lambda c: f"the output is right, but your function called "
               f"{_collectives(c)[0]}: ring attention passes the K/V blocks with send and "
               "recv (isend/irecv) only, so no rank ever holds all of K and V", right=True),
+    Diagnosis("all_gather_variant", _holds_all, _holds_all_hint, right=True),
+    Diagnosis("extra_transfers", _sends_too_much, _sends_too_much_hint, right=True),
 )
 
 QUESTION = register(RankExercise(
     "05.ring_forward",
     probe=_ring_rank,
-    worlds=[World(2), World(4), World(4, ("pairs",), "on two cp groups of 2 in 4 ranks")],
+    worlds=[World(2), World(4),
+            World(4, ("pairs",), "on the cp groups {{0, 1}} and {{2, 3}} of 4 ranks"),
+            World(4, ("strided",), "on the cp groups {{0, 2}} and {{1, 3}} of 4 ranks")],
     reference=_reference,
     first_wrong=_first_wrong,
     diagnoses=DIAGNOSES,
     solution=RING_SOLUTION,
     backend="gloo",
-    timeout=60.0,
+    timeout=20.0,  # the ring itself takes well under a second: a hang is named soon
+    rank_error=_named_rank_error,
+    rank_error_names=("blocking_send", "neighbour_outside_group", "not_consecutive"),
     hang_hint="the ranks' sends and receives did not match{t} ({where}): every rank sends "
               "its block to the next rank and receives from the previous one, the same "
               "number of times (cp - 1), with tensors of the same size",
@@ -250,9 +388,10 @@ QUESTION = register(RankExercise(
         query i when j <= i) or not. Pass the K/V blocks round the ring with dist.isend /
         dist.irecv (to the next rank, from the previous one), and merge each block's
         partial result with parlib's block_attention and merge_partials (or your merge from
-        question 05.merge_partials). Checked on 2 and 4 ranks, causal and not, against
-        single-device attention, then on two cp groups of 2 inside a 4-rank world
-        (rtol 1e-4).
+        question 05.merge_partials). Checked on 2 and 4 ranks (batch 2, 2 heads), causal
+        and not, against single-device attention, then on two cp groups of 2 inside a
+        4-rank world, {0, 1} and {2, 3}, then {0, 2} and {1, 3} (rtol 1e-4); a right output
+        must also come from a ring: cp - 1 transfers, one block of K and V held at a time.
     """,
     explanation="""
         Each rank keeps its queries. Its K and V travel round the ring: at step j (from 0)

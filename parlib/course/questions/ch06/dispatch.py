@@ -26,7 +26,12 @@ CASES: dict[str, tuple[int, float | None]] = {
     "ep4": (4, None),
     "ep2_capacity": (2, 1.25),
     "ep4_capacity": (4, 1.0),
+    "ep4_idle_experts": (4, 1.0),
 }
+# name -> experts the router never picks there: every token leans one way along the
+# first hidden dimension and their router rows point the other way. Experts 6 and 7 are
+# rank 3's: a whole rank receives nothing; crowded, some tokens lose every choice.
+IDLE: dict[str, tuple[int, ...]] = {"ep4_idle_experts": (2, 6, 7)}
 
 DISPATCH_SOLUTION = '''\
 def expert_parallel_moe(x, experts, weights, n_experts, ep, capacity, exchange):
@@ -64,6 +69,10 @@ def _case(name: str) -> dict[str, Any]:
                       expert_hidden=2 * H)
     moe = MoE(cfg)
     x = torch.randn(TOKENS, H)
+    if name in IDLE:
+        x[:, 0] = 1 + x[:, 0].abs()
+        with torch.no_grad():
+            moe.router.weight[list(IDLE[name]), 0] = -6.0
     with torch.no_grad():
         want = moe(x)
         r = route(x, moe.router, K, factor)
@@ -92,6 +101,8 @@ def _exchange(case: dict[str, Any], sent: list[Any]) -> Callable:
         per_rank, per_expert = counts
         if len(per_rank) == E and len(per_rank) != ep:
             raise Refused("counts_by_expert", "")
+        if len(per_expert) < E and case["name"] in IDLE:
+            raise Refused("idle_counts", f"per_expert has {len(per_expert)} entries")
         if len(per_rank) != ep or len(per_expert) != E:
             raise Refused("count_lengths", f"{len(per_rank)} and {len(per_expert)}")
         n = rows.shape[0]
@@ -141,6 +152,12 @@ def _report(fn: Callable, name: str) -> dict[str, Any]:
     except Refused as refused:
         report["problem"] = refused.args
         return report
+    except Exception as exc:  # noqa: BLE001 - right on every other case, raised here
+        if name not in IDLE:
+            raise
+        report["problem"] = ("idle_counts", f"your function raised {type(exc).__name__}: "
+                                            f"{str(exc).splitlines()[0]}")
+        return report
     if not sent:
         report["problem"] = ("no_exchange", "")
         return report
@@ -169,18 +186,47 @@ def _detail(c: Case) -> str:
     return c.report["problem"][1]
 
 
-def _unweighted(c: Case) -> bool:
-    """The output is the sum of each token's expert outputs, router weights left out."""
-    if _what(c) != "out":
-        return False
-    case = c.report["case"]
+def _combined(case: dict[str, Any], weights: torch.Tensor) -> torch.Tensor:
+    """The layer's output with these weights (T, k) in place of the router's."""
     r = case["routing"]
     with torch.no_grad():
         want = torch.zeros_like(case["x"])
         for e in range(E):
-            token, _ = torch.nonzero((r.experts == e) & r.keep, as_tuple=True)
-            want = want.index_add(0, token, case["moe"].experts[e](case["x"][token]))
-    return close(c.report["out"], want)
+            token, choice = torch.nonzero((r.experts == e) & r.keep, as_tuple=True)
+            y = case["moe"].experts[e](case["x"][token]) * weights[token, choice, None]
+            want = want.index_add(0, token, y)
+    return want
+
+
+def _output_is(make: Callable[[dict[str, Any]], torch.Tensor]) -> Callable[[Case], bool]:
+    """A predicate: the learner's (wrong) output is ``make(case)``."""
+    return lambda c: _what(c) == "out" and close(c.report["out"], make(c.report["case"]))
+
+
+def renormalised(weights: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's weights divided by their sum over its top-k (or its kept) choices."""
+    w = weights if keep is None else weights * keep
+    return w / w.sum(1, keepdim=True).clamp_min(1e-30)
+
+
+_unweighted = _output_is(lambda case: _combined(case, torch.ones(TOKENS, K)))
+# over the kept choices it is the same until a capacity drops one, and the cases without a
+# capacity limit come first: the top-k renormalisation is the one a wrong answer shows
+_renormalised = _output_is(lambda case: _combined(case, renormalised(case["routing"].weights)))
+_dropped_passed_through = _output_is(lambda case: case["out"] + case["x"] * (
+    ~case["routing"].keep.any(1, keepdim=True)))
+
+
+def _idle(c: Case) -> list[int]:
+    """The experts no token of this case picks."""
+    return sorted(set(range(E)) - set(c.report["case"]["routing"].experts.reshape(-1).tolist()))
+
+
+def _all_dropped(c: Case) -> str:
+    lost = torch.nonzero(~c.report["case"]["routing"].keep.any(1)).reshape(-1).tolist()
+    return (f"tokens {lost} lost every choice at capacity, and your output gives them x: "
+            f"such a token gets 0 from the layer (no expert computed it). The block's "
+            f"residual, x + moe(x), passes it through; adding x here counts it twice")
 
 
 def _is(kind: str) -> Callable[[Case], bool]:
@@ -212,6 +258,12 @@ DIAGNOSES = (
     Diagnosis("counts_not_kept", _is("counts_sum"),
               lambda c: f"your counts add up to {_detail(c)}: count only the choices you "
               "send, the kept ones (after the capacity cut), each exactly once"),
+    Diagnosis("idle_expert_counts", _is("idle_counts"),
+              lambda c: f"experts {_idle(c)} receive no token here, 6 and 7 being all of "
+              f"rank 3's ({_detail(c)}): per_expert needs "
+              f"a count for every expert, 0 for an idle one (torch.bincount(expert, "
+              f"minlength=n_experts); torch.unique counts only the experts present), and "
+              f"per_rank one for every rank, 0 for an idle one"),
     Diagnosis("rank_counts_disagree", _is("rank_sum"),
               "per_rank is not the sum of per_expert over each rank's experts: rank r holds "
               "the contiguous experts r x E/ep to (r + 1) x E/ep - 1"),
@@ -242,6 +294,12 @@ DIAGNOSES = (
               "your output adds each token's expert outputs without the router's weight: "
               "scale each returned row by its choice's weight (weights[token, choice]) "
               "before adding it to its token"),
+    Diagnosis("renormalised_router_weights", _renormalised,
+              "you renormalised the router weights (each token's weights divided by their sum "
+              "over its top-k or its kept choices): this layer scales each expert's output by "
+              "the router's probability as it is, weights[token, choice] (softmax over all E "
+              "experts), without renormalising"),
+    Diagnosis("dropped_token_passed_through", _dropped_passed_through, _all_dropped),
     Diagnosis("wrong_combine_order", always,
               "the rows you sent were right but the output is not: the returned rows come "
               "back in the order you sent them (sorted by expert), so undo that permutation "
@@ -260,7 +318,8 @@ QUESTION = register(CaseExercise(
         Write expert_parallel_moe(x, experts, weights, n_experts, ep, capacity, exchange)
         -> Tensor, one rank's side of an expert-parallel MoE layer. x (T, h) are this
         rank's tokens; experts (T, k) the router's top-k choices for each token (expert
-        indices) and weights (T, k) their router probabilities. Rank r of the ep ranks
+        indices) and weights (T, k) their router probabilities (the softmax over all E
+        experts, as they are: not renormalised over the k). Rank r of the ep ranks
         holds experts r x E/ep to (r + 1) x E/ep - 1. capacity (an int, or None: no
         limit) is the most choices one expert accepts: first come first served in
         choice-major order (every token's first choice, in token order, before any second
@@ -270,7 +329,9 @@ QUESTION = register(CaseExercise(
         per_rank (ep,) and per_expert (E,) their counts. It returns each row's expert
         output, in the order sent. Return the layer's output (T, h): for each token, the
         sum of its kept experts' outputs times their router weights. Checked against the
-        single-device MoE layer for ep = 2 and 4, with and without a capacity limit.
+        single-device MoE layer for ep = 2 and 4, with and without a capacity limit, and
+        with experts (a whole rank's) that receive no token and tokens that lose every
+        choice.
     """,
     explanation="""
         Three steps on each rank. First the capacity cut: walk the choices in

@@ -1,5 +1,6 @@
 """06.expert_parallel_layer: the rank side of an expert-parallel MoE layer, run on ranks
-(ep = 2, ep = 4, and two ep groups of 2 on 4 ranks), with and without a capacity limit, its
+(ep = 2, ep = 4 with experts no token picks, and two ep groups of 2 on 4 ranks, consecutive
+and not), with and without a capacity limit, its
 output and gradients (of the tokens, of this rank's experts, of the router through the
 router weights) compared with the single-device :class:`MoE`."""
 
@@ -17,6 +18,7 @@ import torch
 from parlib.cost.experts import expert_capacity
 from parlib.course.answers import plain_tensor
 from parlib.course.on_ranks import Case, Diagnosis, RankExercise, World
+from parlib.course.questions.ch06.dispatch import renormalised
 from parlib.course.registry import register
 from parlib.model import ModelConfig, MoE, route
 from parlib.verify import close
@@ -25,7 +27,12 @@ SEED, TOKENS, H, E, K = 16, 8, 8, 8, 2  # TOKENS: per rank
 FACTOR = 1.0  # the capacity case: ceil(1.0 x 8 x 2 / 8) = 2 choices per expert and rank
 # the launches: (ranks, phases); a phase is (layout, capacity factor), judged in order
 PHASES = {2: (("world", None), ("world", FACTOR)),
-          4: (("world", None), ("world", FACTOR), ("pairs", None), ("pairs", FACTOR))}
+          4: (("world", None), ("world", FACTOR), ("pairs", None), ("pairs", FACTOR),
+              ("strided", None))}
+# the 4-rank world's capacity setting: experts the router never picks (every token leans
+# one way along the first hidden dimension, their router rows the other way); 6 and 7 are
+# rank 3's, so a whole rank receives nothing, and crowded, some tokens lose every choice
+IDLE = (2, 6, 7)
 
 EP_LAYER_SOLUTION = '''\
 def expert_parallel_layer(x, experts, weights, local_experts, n_experts, capacity, group):
@@ -125,6 +132,10 @@ def _watched_all_to_all() -> Iterator[dict[str, Any]]:
         dist.all_to_all_single = real
 
 
+def _has_idle_experts(index: int, ep: int, factor: float | None) -> bool:
+    return index == 0 and ep == 4 and factor is not None
+
+
 def _setting(index: int, ep: int, factor: float | None) -> dict[str, Any]:
     """Group ``index``'s MoE layer and tokens (ep x TOKENS rows, rank s of the group holds
     rows s x TOKENS ..), the same on every rank."""
@@ -134,6 +145,10 @@ def _setting(index: int, ep: int, factor: float | None) -> dict[str, Any]:
                               capacity_factor=factor, expert_hidden=2 * H))
         x = torch.randn(ep * TOKENS, H)
         dy = torch.randn(ep * TOKENS, H)
+    if _has_idle_experts(index, ep, factor):
+        x[:, 0] = 1 + x[:, 0].abs()
+        with torch.no_grad():
+            moe.router.weight[list(IDLE), 0] = -6.0
     return {"moe": moe, "x": x, "dy": dy, "ep": ep, "factor": factor,
             "capacity": expert_capacity(TOKENS * K, E, factor)}
 
@@ -181,9 +196,14 @@ def _candidates(s: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
         back[order] = returned
         w = r.weights[token, choice][:, None]
         zero = torch.zeros_like(x)
+        lost = ~r.keep.any(1, keepdim=True)  # tokens that lost every choice
+        right = zero.index_add(0, token, back * w)
         return {"unweighted": zero.index_add(0, token, back),
                 "sent_order": zero.index_add(0, token, returned * w),
-                "permuted_again": zero.index_add(0, token, returned[order] * w)}
+                "permuted_again": zero.index_add(0, token, returned[order] * w),
+                "renormalised": zero.index_add(0, token, back * renormalised(
+                    r.weights)[token, choice][:, None]),
+                "dropped_passed_through": right + x * lost if bool(lost.any()) else None}
 
 
 def _arrivals(seen: dict[int, list[torch.Tensor]], s: dict[str, Any], ref: dict[str, Any]
@@ -233,6 +253,10 @@ def _phase(fn: Callable, layout: str, factor: float | None) -> dict[str, Any]:
     if layout == "pairs":
         groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank, each
         index, group = 1 + rank // 2, groups[rank // 2]  # data of its own, not the world's
+    elif layout == "strided":  # {0, 2} and {1, 3}: rank 2 is rank 1 of its group
+        half = world // 2
+        groups = [dist.new_group([r, r + half]) for r in range(half)]
+        index, group = 3 + rank % half, groups[rank % half]
     else:
         index, group = 0, dist.group.WORLD
     ep, me = dist.get_world_size(group), dist.get_rank(group)
@@ -247,7 +271,7 @@ def _phase(fn: Callable, layout: str, factor: float | None) -> dict[str, Any]:
         moe.experts[e].register_forward_pre_hook(
             lambda module, args, e=e: seen[e].append(args[0].detach().clone()))
     report: dict[str, Any] = {"layout": layout, "ep": ep, "capacity": s["capacity"],
-                              "problem": None}
+                              "problem": None, "idle": _has_idle_experts(index, ep, factor)}
     try:
         with _watched_all_to_all() as watch:
             got = fn(x, r.experts.clone(), r.weights, local, E, s["capacity"], group)
@@ -262,7 +286,7 @@ def _phase(fn: Callable, layout: str, factor: float | None) -> dict[str, Any]:
     except NotImplementedError:
         raise
     except Exception as exc:  # noqa: BLE001 - in a sub-group an ignored group is any error
-        if layout != "pairs":
+        if layout == "world" and not report["idle"]:
             raise
         report["problem"] = ("error", f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
         return report
@@ -284,7 +308,7 @@ def _problem(got: Any, out: Any, watch: dict[str, Any], s: dict[str, Any],
         return ("not_output", f"shape {tuple(out.shape)}")
     if not close(out, ref["out"]):
         for name, candidate in _candidates(s, me).items():
-            if close(out, candidate):
+            if candidate is not None and close(out, candidate):
                 return (name, "")
         return ("wrong_output", f"{(out - ref['out']).abs().max().item():.3g}")
     if not got.requires_grad:
@@ -314,9 +338,11 @@ def _layer_rank(fn: Callable, phases: tuple[tuple[str, float | None], ...]) -> l
 # computed are judged first (only then: a right answer may run an expert on more rows)
 _ORDER = ("counts_by_expert", "split_lengths", "receive_counts", "error", "plain_all_to_all",
           "not_output", "rows_not_tokens", "capacity_ignored", "wrong_drops", "not_grouped",
-          "unweighted", "sent_order", "permuted_again", "wrong_output", "no_autograd",
+          "unweighted", "renormalised", "dropped_passed_through",
+          "sent_order", "permuted_again", "wrong_output", "no_autograd",
           "expert_gradient", "router_gradient", "x_gradient")
-_OUTPUTS = ("unweighted", "sent_order", "permuted_again", "wrong_output")
+_OUTPUTS = ("unweighted", "renormalised", "dropped_passed_through",
+            "sent_order", "permuted_again", "wrong_output")
 
 
 def _first_wrong(case: Case) -> tuple[int, tuple[int, str]] | None:
@@ -356,9 +382,14 @@ def _where(c: Case) -> str:
     rep = _report(c)
     limit = ("no capacity limit" if rep["capacity"] is None
              else f"capacity {rep['capacity']} choices per expert")
-    groups = (f"two ep groups of {rep['ep']} ({{0, 1}} and {{2, 3}}) on {c.world} ranks"
-              if rep["layout"] == "pairs" else f"ep = {rep['ep']} (the whole world)")
-    return f"on {groups}, {limit}, rank {c.rank}"
+    groups = {"pairs": f"two ep groups of {rep['ep']} ({{0, 1}} and {{2, 3}}) on {c.world} "
+                       f"ranks",
+              "strided": f"two ep groups of {rep['ep']} ({{0, 2}} and {{1, 3}}) on "
+                         f"{c.world} ranks",
+              }.get(rep["layout"], f"ep = {rep['ep']} (the whole world)")
+    idle = (f", experts {list(IDLE)} picked by no token (rank 3 holds 6 and 7)"
+            if rep.get("idle") else "")
+    return f"on {groups}, {limit}{idle}, rank {c.rank}"
 
 
 def _hint(text: str | Callable[[Case], str]) -> Callable[[Case], str]:
@@ -373,7 +404,19 @@ def _ignores_group(c: Case) -> str:
 
 
 DIAGNOSES = (
+    Diagnosis("global_rank_in_group", lambda c: _report(c)["layout"] == "strided", _hint(
+        lambda c: "right on the whole world and on consecutive groups ({0, 1} and {2, 3}), but "
+        "wrong when a group's ranks are not consecutive: rank 2 is rank 1 of {0, 2}, not "
+        "rank 2 % ep = 0. Take this rank's place in its group from the group, "
+        "dist.get_rank(group), never from the global rank")),
     Diagnosis("ignores_group", lambda c: _report(c)["layout"] == "pairs", _hint(_ignores_group)),
+    Diagnosis("idle_expert_counts",
+              lambda c: _report(c)["idle"] and _is("error", "split_lengths")(c),
+              _hint(lambda c: f"{_detail(c)}. Right while every expert is picked, but here "
+                    f"experts {list(IDLE)} receive no token: per_expert needs a count for every "
+                    f"expert, 0 for an idle one (torch.bincount(expert, minlength=n_experts); "
+                    f"torch.unique counts only the experts present), and send one for every "
+                    f"rank, 0 for an idle one")),
     Diagnosis("counts_by_expert", _is("counts_by_expert"), _hint(
         lambda c: f"{_detail(c)}: the all-to-all sends to ranks, one count per rank of the "
         f"group, and rank r holds E/ep contiguous experts: add up each rank's experts' counts "
@@ -419,6 +462,17 @@ DIAGNOSES = (
         "your output adds each token's expert outputs without the router's weight: scale "
         "each returned row by its choice's weight (weights[token, choice]) before adding it "
         "to its token")),
+    # (over the kept choices it is the same until a capacity drops one: a phase without a
+    # capacity limit comes first in every layout)
+    Diagnosis("renormalised_router_weights", _is("renormalised"), _hint(
+        "you renormalised the router weights (each token's weights divided by their sum over "
+        "its top-k or its kept choices): this layer scales each expert's output by the "
+        "router's probability as it is, weights[token, choice] (softmax over all E experts), "
+        "without renormalising")),
+    Diagnosis("dropped_token_passed_through", _is("dropped_passed_through"), _hint(
+        "a token that lost every choice at capacity gets x from your layer: it should get 0 "
+        "(no expert computed it). The block's residual, x + moe(x), passes it through; "
+        "adding x here counts it twice")),
     Diagnosis("wrong_combine_order", _is("sent_order", "permuted_again"), _hint(
         "every expert computed the right rows, but the output is not the layer's: the rows "
         "come back in the order you sent them (sorted by expert), so undo that permutation "
@@ -479,9 +533,11 @@ QUESTION = register(RankExercise(
         torch.distributed.nn.functional.all_to_all_single; a bare dist.all_to_all_single
         on them is rejected (autograd cannot see it), and is right only for the counts.
         Checked on ranks, fp32, rtol 1e-4, against the single-device MoE layer with the same
-        routing: ep = 2, ep = 4, and two ep groups of 2 on 4 ranks, each with and without a
-        capacity limit; the output, and the gradients of x, of this rank's experts and of
-        the router (through the weights).
+        routing: ep = 2, ep = 4 (with a capacity limit, experts no token picks, a whole
+        rank's of them), two ep groups of 2 on 4 ranks ({0, 1} and {2, 3}, then {0, 2} and
+        {1, 3}), with and without a capacity limit; the output, and the gradients of x, of
+        this rank's experts and of the router (through the weights). The weights are the
+        router's probabilities as they are (softmax over all E experts, not renormalised).
     """,
     explanation="""
         Three steps on each rank, then backward. The capacity cut and the sort are

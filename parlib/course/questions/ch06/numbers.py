@@ -21,16 +21,19 @@ from parlib.course.registry import register
 _E, _EP, _PH, _PF = 64, 8, 4096, 14336
 _PER_RANK = moe_params_per_rank(_E, _EP, _PH, _PF, bias=False)
 _EXPERT = expert_params(_PH, _PF, bias=False)
+_ROUTER = _PH * _E  # 0.03% of the answer: only an exact count tells it apart
 
 register(Numeric(
     "06.params_per_rank",
     _PER_RANK,
     unit="parameters",
+    rtol=1e-7,  # an exact count: the router is 0.03% of it
     prompt=f"""
         One MoE layer has E = {_E} experts, each an MLP h -> f -> h of two weight matrices
         without biases (h = {_PH}, f = {_PF}), and a router, an h x E matrix. It is split
         over ep = {_EP} ranks by expert parallelism; the router is replicated. How many of
-        this layer's parameters does one rank hold? Give a number of parameters.
+        this layer's parameters does one rank hold? Give the exact number of parameters
+        (not rounded).
     """,
     working=f"""
         One expert: 2 x h x f = 2 x {_PH} x {_PF} = {_EXPERT:,} parameters. Each rank holds
@@ -45,12 +48,18 @@ register(Numeric(
     mistakes={
         moe_params_per_rank(_E, 1, _PH, _PF, bias=False):
             "that is the whole layer: each rank holds only E/ep of the experts",
+        _PER_RANK - _ROUTER: f"that leaves out the router: its h x E = {_ROUTER:,} "
+                             f"parameters are replicated, on every rank",
+        _PER_RANK - _ROUTER + _ROUTER / _EP: "the router is replicated, not split: every "
+                                             "rank holds all of its h x E parameters",
         **factor_mistakes(_PER_RANK, {
             0.5: "an expert has two matrices, h x f and f x h: 2 h f parameters",
             1 / _EP: "each rank holds E/ep experts, not one",
             1.5: "these experts have two matrices each (h x f up, f x h down), not three",
         }),
     },
+    near=(1e-3, "close, but give the exact count, every parameter (a slip as small as "
+                "the router's is 0.03% of it)"),
 ))
 
 # --------------------------------------------------------------------------- bytes

@@ -82,12 +82,12 @@ register(Numeric(
 
 register(Choice(
     "07.crosses_nodes",
-    "B",
+    "D",
     options={
         "A": "Only the pipeline's sends: its groups are the ones spread farthest apart.",
-        "B": "Pipeline sends and data-parallel all-reduces; tp stays inside a node.",
+        "B": "Only the data-parallel all-reduces: pipeline neighbours share a node.",
         "C": "All three axes cross nodes, since 64 ranks cannot fit in one 8-GPU node.",
-        "D": "Only the data-parallel all-reduces: pipeline neighbours share a node.",
+        "D": "Pipeline sends and data-parallel all-reduces; tp stays inside one node.",
     },
     prompt="""
         64 GPUs in nodes of 8 (GPUs 0-7 in node 0, 8-15 in node 1, ...) run d x t x p =
@@ -95,7 +95,7 @@ register(Choice(
         crosses nodes? Give one letter.
     """,
     working="""
-        **B**. A tensor-parallel group is 4 consecutive ranks (0-3, 4-7, ...): inside one
+        **D**. A tensor-parallel group is 4 consecutive ranks (0-3, 4-7, ...): inside one
         node. A data-parallel group is t = 4 ranks apart and spans d x t = 16 ranks
         (0, 4, 8, 12): two nodes. A pipeline group is d x t = 16 ranks apart (0, 16, 32,
         48): four nodes. This is the point of the order: the axis that talks at every
@@ -104,5 +104,5 @@ register(Choice(
     hints={"A": "the pipeline is not the only axis that crosses nodes once d x t > 8: write "
                 "out rank 0's data-parallel group, ranks t apart, d of them",
            "C": "write out rank 0's tensor-parallel group: which ranks, which node?",
-           "D": "write out rank 0's pipeline group: ranks d x t = 16 apart"},
+           "B": "write out rank 0's pipeline group: ranks d x t = 16 apart"},
 ))

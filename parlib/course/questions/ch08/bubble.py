@@ -2,65 +2,12 @@
 
 from __future__ import annotations
 
-import decimal
-import math
-from typing import Any
-
 from parlib.cost import (
     bubble_fraction,
     ideal_step_time,
 )
-from parlib.course.question_types import Choice, Numeric, _as_number, is_stub
+from parlib.course.question_types import Choice, Numeric, RoundedFraction
 from parlib.course.registry import register
-from parlib.course.results import CheckFailed, NotAttempted
-
-
-def _half_unit(value: float) -> float:
-    """Half a unit of the last digit written: 0.27 -> 0.005, 27 -> 0.5, 0.273 -> 0.0005."""
-    exponent = decimal.Decimal(repr(value)).normalize().as_tuple().exponent
-    return 0.5 * 10.0 ** min(int(exponent), 0) if isinstance(exponent, int) else 0.0
-
-
-class RoundedFraction(Numeric):
-    """A fraction between 0 and 1, judged with the rounding its digits state: 0.27 is 3/11
-    to two digits, so it passes (and so does 0.273). Fewer than ``min_digits``
-    significant digits are too coarse to tell the answer from its mistakes, and a number
-    between 1 and 100 that is the answer x 100 is named as a percent."""
-
-    def __init__(self, *args: Any, min_digits: int = 2, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.min_digits = min_digits
-
-    def _rounds_to(self, value: float, target: float) -> bool:
-        if value == 0:  # "0" states no digits of the answer
-            return self._close(value, target)
-        return self._close(value, target) or abs(value - target) <= _half_unit(value) + 1e-12
-
-    def _too_coarse(self, value: float) -> bool:
-        if value == 0:
-            return True
-        return _half_unit(value) > 0.5 * 10.0 ** (
-            math.floor(math.log10(abs(value))) - self.min_digits + 1) * (1 + 1e-9)
-
-    def grade(self, answer: Any) -> str:
-        if is_stub(answer):
-            raise NotAttempted
-        value = _as_number(answer, "a fraction between 0 and 1")
-        if 1 < value <= 100 and self._rounds_to(value / 100, self.answer):
-            raise CheckFailed(f"{value:g} looks like a percent: give the fraction, a number "
-                              f"between 0 and 1 ({value:g}% is {value / 100:g})")
-        if self._rounds_to(value, self.answer):
-            if self._too_coarse(value):
-                raise CheckFailed(f"{value:g} is too coarse to judge: give at least "
-                                  f"{self.min_digits} significant digits")
-            return "correct"
-        for wrong, hint in self.mistakes.items():
-            if self._rounds_to(value, float(wrong)) and not self._too_coarse(value):
-                raise CheckFailed(f"{value:g} is not right: {hint}")
-        # no unit-slip factors (MiB vs MB, bits vs bytes) for a plain fraction
-        direction = "too high" if value > self.answer else "too low"
-        raise CheckFailed(f"{value:g} is not right ({direction}); check your working")
-
 
 # --------------------------------------------------------------------------- the bubble
 

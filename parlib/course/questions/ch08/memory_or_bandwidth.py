@@ -96,7 +96,7 @@ register(Choice(
         "A": "tensor parallelism across the nodes, data parallelism inside each node",
         "B": "data parallelism across the nodes: it syncs once per step, overlapped with "
              "backward",
-        "C": "pipeline stages across the nodes, data parallelism inside each node",
+        "C": "pipeline stages across the nodes, and data parallelism inside each node",
         "D": "ZeRO-3 across the nodes, to cut each GPU's memory by the number of nodes",
     },
     prompt="""

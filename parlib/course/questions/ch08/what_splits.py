@@ -16,29 +16,29 @@ GiB = 2**30
 
 register(Choice(
     "08.what_tp_splits",
-    "B",
+    "D",
     options={
         "A": "the batch; it all-reduces the gradients once per step, after the backward",
-        "B": "the weight matrices in each layer; it all-reduces activations in every layer",
+        "B": "the optimizer state and gradients; it gathers parameters before each use",
         "C": "the layers into consecutive stages; it sends activations across each "
              "stage boundary",
-        "D": "the optimizer state and gradients; it gathers parameters before each use",
+        "D": "the weight matrices in each layer; it all-reduces activations in every layer",
     },
     prompt="""
         What does tensor (model) parallelism split, and what must it communicate?
         Give one letter.
     """,
     working="""
-        **B.** Every rank holds a slice of each weight matrix (columns of one matmul, rows
+        **D.** Every rank holds a slice of each weight matrix (columns of one matmul, rows
         of the next), computes a partial result and the ranks combine it inside the layer:
         two all-reduces of the (b, s, h) activations per transformer layer in forward and
         two in backward. That is why it "talks constantly and wants fast links".
-        A is data parallelism, C pipeline parallelism, D ZeRO-3 / FSDP.
+        A is data parallelism, C pipeline parallelism, B ZeRO-3 / FSDP.
     """,
     hints={
         "A": "that is data parallelism: a whole copy of the model on every rank",
         "C": "that is pipeline parallelism: whole layers per rank",
-        "D": "that is ZeRO-3 / FSDP, a memory-saving form of data parallelism",
+        "B": "that is ZeRO-3 / FSDP, a memory-saving form of data parallelism",
     },
 ))
 
