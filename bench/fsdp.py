@@ -71,6 +71,8 @@ def _race(batch: int, rounds: int, steps_per_round: int):
     ref = verify.reference_run(CFG, steps=2, batch=batch, device=dev,
                                optimizer=lambda ps: torch.optim.Adam(ps, **ADAM)).params
     nets = {k: _build(k, dev) for k in KINDS}
+    gathered = {k: measure.GatheredWeights(net) for k, (net, _) in nets.items()
+                if isinstance(net, FSDP)}  # ours: the full weights held, from outside
     sent, states = {}, {}
     for kind, (net, opt) in nets.items():
         for step in range(2):
@@ -83,7 +85,7 @@ def _race(batch: int, rounds: int, steps_per_round: int):
         sent[kind] = log.predicted_sent()
         params = list(net.parameters())
         states[kind] = [measure.param_bytes(params), measure.optimizer_state_bytes(opt),
-                        getattr(net, "gathered_peak", None)]
+                        gathered[kind].peak if kind in gathered else None]
         if kind != "fsdp2":
             padded = sum(u.total * n for u in net.units)
             want = zero_sent_bytes_per_step(padded, n, 3)

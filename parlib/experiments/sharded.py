@@ -24,7 +24,12 @@ from parlib.cost.memory import (
 from parlib.cost.sharded import padded_numel
 from parlib.measure.comm_log import CommLog
 from parlib.measure.emulation import SlowLink
-from parlib.measure.memory import SavedActivations, optimizer_state_bytes, tensor_bytes
+from parlib.measure.memory import (
+    GatheredWeights,
+    SavedActivations,
+    optimizer_state_bytes,
+    tensor_bytes,
+)
 from parlib.measure.tables import Table
 from parlib.measure.timeline import Recorder, Span
 from parlib.measure.timing import time_it
@@ -60,6 +65,7 @@ class Sharded:
         if stage == "ZeRO-3":
             self.fsdp = self.model = FSDP(self.net, compute_dtype, prefetch=prefetch,
                                           recompute=recompute)
+            self.gathered = GatheredWeights(self.fsdp)  # observed through its gather hook
             self.optimizer: Any = opt_cls(self.fsdp.parameters(), lr=lr)
         elif stage == "ZeRO-2":
             self.optimizer = Zero2(self.net, opt_cls, lr=lr)
@@ -93,7 +99,7 @@ class Sharded:
                   else list(self.net.parameters()))
         pending = [u.pending[0] for u in self.fsdp.units if u.pending] if self.fsdp else []
         return {"params": tensor_bytes(params),
-                "gathered": self.fsdp.gathered_now if self.fsdp else 0,
+                "gathered": self.gathered.now if self.fsdp else 0,
                 "grads": tensor_bytes([p.grad for p in params]
                                       + [s.tensor.grad for s in self.shards]),
                 "optimizer": optimizer_state_bytes(self.optimizer),

@@ -122,6 +122,44 @@ class SavedActivations:
 
 
 @dataclass
+class GatheredWeights:
+    """Bytes of full weights a :class:`parlib.FSDP` holds, observed from outside through
+    its gather hook (the strategy itself keeps no count): ``now``, what is held at this
+    moment; ``peak``, the most held at once since the observer was made; ``alive(unit)``,
+    how many of the weights the unit's last gather made are still held (0 once FSDP freed
+    them). A weight counts from its gather until nothing refers to it.
+
+        gathered = GatheredWeights(fsdp)
+        loss_fn(fsdp(x), y).backward()
+        gathered.peak        # e.g. two units' worth with prefetch on
+        gathered.remove()    # stop observing
+    """
+
+    def __init__(self, fsdp: Any) -> None:
+        self.now = self.peak = 0
+        self._last: dict[int, list[weakref.ref]] = {}  # id(unit) -> its last gather
+        self._handle = fsdp.register_gather_hook(self._gathered)
+
+    def _gathered(self, unit: Any, fulls: list[torch.Tensor]) -> None:
+        for t in fulls:
+            nbytes = t.numel() * t.element_size()
+            self.now += nbytes
+            weakref.finalize(t, self._freed, nbytes)
+        self.peak = max(self.peak, self.now)
+        self._last[id(unit)] = [weakref.ref(t) for t in fulls]
+
+    def _freed(self, nbytes: int) -> None:
+        self.now -= nbytes
+
+    def alive(self, unit: Any) -> int:
+        """How many of ``unit``'s last gathered weights are still held."""
+        return sum(ref() is not None for ref in self._last.get(id(unit), []))
+
+    def remove(self) -> None:
+        """Stop observing (what was counted stays)."""
+        self._handle.remove()
+
+
 class MemoryReport:
     """Bytes one rank holds, by kind. ``cuda_peak`` is ``torch.cuda.max_memory_allocated``
     over the measured step (``None`` on the CPU)."""
@@ -190,6 +228,7 @@ def memory_breakdown(
 
 
 __all__ = [
+    "GatheredWeights",
     "MemoryReport",
     "SavedActivations",
     "grad_bytes",

@@ -3,6 +3,7 @@ temp folder behind.
 
 - Each rank leads its own process group, so killing the group also ends the rank's children.
 - A process is named by (pid, start time): a pid reused by a new process is never killed.
+  Both come from psutil, which reads them the same way on Linux, macOS and Windows.
 - Temp folders are named ``parlib-<pid>-<start time>-...`` after the kernel that made them.
   A small reaper process in its own session removes them when the kernel is gone, however it
   ended (Jupyter kills the kernel's whole process group, forkserver included); a folder left
@@ -24,56 +25,55 @@ import threading
 import types
 from collections.abc import Iterator
 
+import psutil
+
 PREFIX = "parlib-"
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+_TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _running(pid: int) -> psutil.Process | None:
+    """The live process ``pid`` (zombies and dead ones left out), or None."""
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() in _GONE else proc
+    except psutil.Error:
+        return None
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot), None if gone or a zombie."""
+    """The process's start time in clock ticks since boot (psutil's ``create_time``, fixed
+    for the process's life, so (pid, start time) names one process even after its pid is
+    reused; in ticks, as the kernel counts it, so every parlib on the machine, old or new,
+    names a process the same way in its temp folders); None if gone or a zombie."""
+    proc = _running(pid)
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        since_boot = None if proc is None else proc.create_time() - psutil.boot_time()
+    except psutil.Error:
         return None
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
+    return None if since_boot is None else round(since_boot * _TICKS_PER_SECOND)
 
 
 def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds the process (all its threads) has used; None if gone or
-    where there is no /proc."""
+    """User + system CPU seconds the process (all its threads) has used; None if gone."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return None
+    return times.user + times.system
 
 
 def live_parents() -> dict[int, int]:
-    """pid -> parent pid of every live process (zombies left out), read from /proc."""
+    """pid -> parent pid of every live process (zombies left out)."""
     parents = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] not in ("Z", "X"):
-            parents[int(entry)] = int(fields[1])
+    for proc in psutil.process_iter(["ppid", "status"]):
+        if proc.info["status"] not in _GONE and proc.info["ppid"] is not None:
+            parents[proc.pid] = proc.info["ppid"]
     return parents
 
 
 def is_alive(pid: int, started: int | None = None) -> bool:
     """True if ``pid`` runs (not a zombie) and, when given, started at ``started``."""
-    if not os.path.exists("/proc/self/stat"):  # no /proc (macOS): best effort
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
     now = start_time(pid)
     return now is not None and (started is None or now == started)
 

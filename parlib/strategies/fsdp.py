@@ -35,7 +35,7 @@ the second all-gather, so the bytes stay 3 x P x (N-1)/N).
 from __future__ import annotations
 
 import math
-import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.hooks import RemovableHandle
 
 from parlib.comm import all_gather, rank_and_size, reduce_scatter
 from parlib.strategies.zero import agree_on_model, broadcast_tensors
@@ -78,7 +79,6 @@ class Unit:
             self.shards.append(nn.Parameter(flat[r * size : (r + 1) * size].clone()))
         self.regathered: list[torch.Tensor] | None = None  # the full weights during backward
         self.pending: tuple[torch.Tensor, Any] | None = None  # a prefetched all-gather
-        self.live: list[weakref.ref] = []  # the gathered weights of the last gather
 
     # all-gather ---------------------------------------------------------------------
     def start_gather(self, dtype: torch.dtype | None = None) -> None:
@@ -108,13 +108,9 @@ class Unit:
             piece = by_rank[:, offset : offset + size].clone().view(-1)
             fulls.append(piece[:numel].view(shape))
             offset += size
-        self.owner.note_gathered(fulls)
-        self.live = [weakref.ref(t) for t in fulls]
+        for hook in list(self.owner.gather_hooks.values()):
+            hook(self, fulls)
         return fulls
-
-    def gathered_alive(self) -> int:
-        """How many of the last gathered weights are still held (0 once freed)."""
-        return sum(ref() is not None for ref in self.live)
 
     # reduce-scatter -------------------------------------------------------------------
     @torch.no_grad()
@@ -277,7 +273,9 @@ class FSDP(nn.Module):
             aliases.setdefault(id(p), []).append(name)
             owner_of.setdefault(id(p), "")
         self.module = module
-        self.gathered_now = self.gathered_peak = 0  # bytes of full weights alive, by the unit
+        # observers of every gather, e.g. parlib.measure.GatheredWeights (memory)
+        self.gather_hooks: OrderedDict[int, Callable[[Unit, list[torch.Tensor]], None]] = \
+            OrderedDict()  # RemovableHandle needs a dict it can refer to weakly
         self.units: list[Unit] = []
         self.replicated = [p for n, p in module.named_parameters()
                            if p.requires_grad and keep is not None and keep(n, p)]
@@ -360,15 +358,15 @@ class FSDP(nn.Module):
         if self.prefetch and not self.recompute and i > 1:  # blocks run backward in reverse
             self.units[i - 1].start_gather()
 
-    def note_gathered(self, fulls: list[torch.Tensor]) -> None:
-        for t in fulls:
-            nbytes = t.numel() * t.element_size()
-            self.gathered_now += nbytes
-            weakref.finalize(t, self._freed, nbytes)
-        self.gathered_peak = max(self.gathered_peak, self.gathered_now)
-
-    def _freed(self, nbytes: int) -> None:
-        self.gathered_now -= nbytes
+    def register_gather_hook(self, hook: Callable[[Unit, list[torch.Tensor]], None]
+                             ) -> RemovableHandle:
+        """Call ``hook(unit, full_weights)`` after every all-gather of a unit's weights
+        (forward, prefetch finished, or backward's re-gather); ``handle.remove()`` stops it.
+        For observers (memory, timing), as ``nn.Module``'s hooks are: the strategy keeps no
+        record of its own."""
+        handle = RemovableHandle(self.gather_hooks)
+        self.gather_hooks[handle.id] = hook
+        return handle
 
     # after backward -------------------------------------------------------------------
     def finish_gradient_synchronization(self) -> None:

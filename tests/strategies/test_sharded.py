@@ -23,7 +23,7 @@ import torch
 import parlib
 from parlib import cost, verify
 from parlib.cost.sharded import zero_sent_bytes_per_step
-from parlib.measure import CommLog, grad_bytes, optimizer_state_bytes, param_bytes
+from parlib.measure import CommLog, GatheredWeights, grad_bytes, optimizer_state_bytes, param_bytes
 from parlib.model import ModelConfig, build_model, count_parameters, loss_fn, make_batch
 from parlib.strategies.data import shard_rows
 from parlib.strategies.sharded import FSDP, Zero2
@@ -53,13 +53,14 @@ def _train(stage: str, opt_name: str, flags: dict) -> dict:
     else:
         net = FSDP(model, **flags)
         opt, finish = cls(net.parameters(), **hyper), net.finish_gradient_synchronization
+        gathered = GatheredWeights(net)  # observes every gather from outside
     out: dict = {"alive after forward": [], "sent": []}
     for step in range(STEPS):
         x, y = (shard_rows(t, rank, n) for t in make_batch(B, CFG, step, 0))
         with CommLog() as log:
             loss = loss_fn(net(x), y)
             if stage == "zero3":
-                out["alive after forward"].append(sum(u.gathered_alive() for u in net.units))
+                out["alive after forward"].append(sum(gathered.alive(u) for u in net.units))
             loss.backward()
             finish()
             out["grad bytes"] = (zero.shard_grad_bytes() if stage == "zero2"
@@ -73,7 +74,7 @@ def _train(stage: str, opt_name: str, flags: dict) -> dict:
         out["padded"] = sum(s.padded for s in zero.shards)
         out["param bytes"] = param_bytes(model.parameters())
     else:
-        out["gathered peak"] = net.gathered_peak  # of the training steps
+        out["gathered peak"] = gathered.peak  # of the training steps
         out["params"] = net.gather_full_params()
         out["padded"] = sum(u.total * n for u in net.units)
         out["param bytes"] = param_bytes(net.parameters())
