@@ -291,3 +291,17 @@ def test_a_channel_that_is_not_a_pipe_or_file_is_refused(tmp_path):
     with Channel(fifo) as channel:
         channel.poll()
         assert channel.items == []
+
+
+def test_readme_says_what_holds_as_root_and_as_a_user():
+    text = (ROOT / "README.md").read_text()
+    section = " ".join(text.split("## For instructors", 1)[1].split("\n## ", 1)[0].split())
+    for phrase in ("--cap-drop ALL", "no_new_privs", "/proc/sys", "As root and as a user",
+                   "$XDG_RUNTIME_DIR", "SSH_AUTH_SOCK", "never to your terminal",
+                   "2,000 characters", "`invalid`", "every file on the machine",
+                   "not dumpable"):
+        assert phrase in section, phrase
+    for name in sandbox.ENV_ALLOWED:  # the allow-list as the README names it
+        if not name.startswith(("LC_", "LANG", "TZ", "PYTHON", "OMP_", "MKL_", "OPENBLAS_",
+                                "NUMEXPR_", "CUDA_", "PARLIB_")):
+            assert f"`{name}`" in section, name
