@@ -17,11 +17,14 @@ whose check never ran is "not run", an answer to another chapter's question is i
 Every notebook becomes a row whatever happens to it (missing, unreadable, stopped with
 an error, past a time limit, kernel or grader process killed, grading interrupted). The
 limits (per cell, per re-check, per notebook) are kept by the batch grader, outside the
-notebook's processes. ``--json`` is rewritten (atomically) after each notebook, so a crash
-loses at most the notebook in progress. The table shows each hint whole, wrapped, or
-cut past :data:`HINT_LINES` lines with a pointer to ``--json``; nothing the re-checks'
-ranks print reaches it. What this does and does not protect against: README, "For
-instructors".
+notebook's processes. The grader process reports to the batch on a pipe the batch handed
+it (:mod:`parlib.course.channel`), read as capped JSON data; what it and the notebook
+print goes to the row's "output", never to the batch's terminal, and every text in a row
+is capped at :data:`TEXT_LIMIT` characters. ``--json`` is rewritten (atomically) after
+each notebook, so a crash loses at most the notebook in progress. The table shows each
+hint whole, wrapped, or cut past :data:`HINT_LINES` lines with a pointer to ``--json``;
+nothing the re-checks' ranks print reaches it. What this does and does not protect
+against: README, "For instructors".
 
 Exit status: 0 when every notebook ran to the end, 1 when one did not (its row says
 why), 2 for a usage error, 130 when interrupted.
