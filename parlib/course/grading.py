@@ -310,7 +310,16 @@ def format_report(rep: dict[str, Any], json_path: str | None = None,
         lines.append(f"  ERROR: {rep['error']}")
     if rep.get("sandboxed") is False:
         lines.append("  graded without a sandbox")
-    return "\n".join(lines)
+    return _CONTROL.sub(_escaped, "\n".join(lines))
+
+
+# control characters (but tab and newline): a notebook's text must not move the cursor, set the
+# terminal's title or clear the rows above it
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return f"\\x{ord(match.group()):02x}"
 
 
 def _wrap(message: str, width: int, json_path: str | None) -> list[str]:

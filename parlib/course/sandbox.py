@@ -63,8 +63,9 @@ def bwrap() -> str | None:
     if path is None:
         return None
     try:
-        ok = subprocess.run([path, "--ro-bind", "/", "/", "--unshare-pid", "--unshare-net",
-                             "--cap-drop", "ALL", "--clearenv", "--die-with-parent", "true"],
+        ok = subprocess.run([path, "--ro-bind", "/", "/", "--proc", "/proc", *_PROC_READ_ONLY,
+                             "--unshare-pid", "--unshare-net", "--cap-drop", "ALL",
+                             "--clearenv", "--die-with-parent", "true"],
                             stdin=subprocess.DEVNULL, capture_output=True,
                             timeout=20).returncode == 0
     except (OSError, subprocess.SubprocessError):

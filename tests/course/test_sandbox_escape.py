@@ -112,7 +112,7 @@ found = {"env": sorted(os.environ), "run": sorted(os.listdir("/run")),
 os.write(1, FAKE.encode())  # the kernel's own stdout and stderr, and a child's
 os.write(2, FAKE.encode())
 subprocess.run(["sh", "-c", f"printf '{TITLE}'"])
-raise RuntimeError("@@FOUND@@" + json.dumps(found) + "@@END@@" + "x" * 1_000_000)
+raise RuntimeError("@@FOUND@@" + json.dumps(found) + "@@END@@" + TITLE + "x" * 1_000_000)
 '''
 
 
@@ -221,7 +221,8 @@ def test_no_host_socket_and_no_environment_but_the_allowed(escape):
 
 def test_the_notebooks_output_never_reaches_the_batchs_terminal(escape):
     proc, terminal, _, rows, _, _ = escape
-    assert "00_z_victim" not in terminal and "\x1b]" not in terminal, terminal
+    assert "00_z_victim" not in terminal and "\x1b" not in terminal, terminal
+    assert "\\x1b]0;graded by a notebook\\x07" in terminal  # its error, shown escaped
     assert "00_z_victim" in rows["leak"]["output"]  # kept in its own row, capped
 
 
