@@ -213,7 +213,7 @@ def _clean_row(qid: str, row: dict[str, Any], points: float) -> dict[str, Any]:
     except (TypeError, ValueError, OverflowError):
         score = math.nan
     if not math.isfinite(score):
-        status, message = INVALID, f"the grader reported a score that is not a number " \
+        status, message = INVALID, f"the grader reported a score that is not a finite number " \
                                    f"({cap(repr(row.get('score')), 40)}): it counts 0"
         score = 0.0
     return _row(qid, status, min(max(score, 0.0), points), points, message)
