@@ -17,11 +17,14 @@ whose check never ran is "not run", an answer to another chapter's question is i
 Every notebook becomes a row whatever happens to it (missing, unreadable, stopped with
 an error, past a time limit, kernel or grader process killed, grading interrupted). The
 limits (per cell, per re-check, per notebook) are kept by the batch grader, outside the
-notebook's processes. ``--json`` is rewritten (atomically) after each notebook, so a crash
-loses at most the notebook in progress. The table shows each hint whole, wrapped, or
-cut past :data:`HINT_LINES` lines with a pointer to ``--json``; nothing the re-checks'
-ranks print reaches it. What this does and does not protect against: README, "For
-instructors".
+notebook's processes. The grader process reports to the batch on a pipe the batch handed
+it (:mod:`parlib.course.channel`), read as capped JSON data; what it and the notebook
+print goes to the row's "output", never to the batch's terminal, and every text in a row
+is capped at :data:`TEXT_LIMIT` characters. ``--json`` is rewritten (atomically) after
+each notebook, so a crash loses at most the notebook in progress. The table shows each
+hint whole, wrapped, or cut past :data:`HINT_LINES` lines with a pointer to ``--json``;
+nothing the re-checks' ranks print reaches it. What this does and does not protect
+against: README, "For instructors".
 
 Exit status: 0 when every notebook ran to the end, 1 when one did not (its row says
 why), 2 for a usage error, 130 when interrupted.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -43,8 +47,9 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from parlib.course.channel import Channel, Output
 from parlib.course.check import LOG_ENV, MODE_ENV, recheck
 from parlib.course.ci_logs import chapter_of, read_log
 from parlib.course.registry import questions
@@ -58,7 +63,6 @@ from parlib.course.sandbox import (
     descendants,
     kill_descendants,
     kill_others_in_namespace,
-    rows_done,
     sandboxed,
     stop,
     watch,
@@ -70,6 +74,17 @@ NOT_SANDBOXED = ("WARNING: graded WITHOUT a sandbox ({why}): a notebook could re
                  "files of this user while it ran; see the README, 'For instructors'")
 LOG_DELETED = ("the notebook deleted its check log, so none of its answers could be read: "
                "every question scores 0")
+TEXT_LIMIT = 2000  # characters of any message, error or output in a row
+INVALID = "invalid"
+
+
+def cap(text: str, limit: int = TEXT_LIMIT, keep_end: bool = False) -> str:
+    """``text`` cut to about ``limit`` characters (its start, or with ``keep_end`` its
+    end), saying that it was cut and how long it was."""
+    if len(text) <= limit:
+        return text
+    note = f" [cut: {len(text)} characters in all]"
+    return note.strip() + " " + text[-limit:] if keep_end else text[:limit] + note
 
 
 def execute(path: Path, log: Path, timeout: float = 600.0, nb: Any = None) -> str | None:
@@ -126,13 +141,14 @@ def _row(qid: str, status: str, score: float, max_score: float, message: str) ->
 
 
 def recheck_log(log: Path, chapter: str | None, *, deleted: bool = False,
-                timeout: float | None = None, progress: Path | None = None
+                timeout: float | None = None, progress: TextIO | None = None
                 ) -> list[dict[str, Any]]:
     """One row per question the chapter declares, each once; an answer in the log to
     another chapter's question is ignored (it counts in that chapter's notebook only). Each
     answer is judged here by :func:`recheck`; the log's own verdicts are ignored. With
-    ``progress``, a line is appended before and after each re-check, so the batch grader
-    can stop one that runs past its limit and keep the rows already done."""
+    ``progress`` (the channel to the batch grader), a line is sent before and after each
+    re-check, so the batch grader can stop one that runs past its limit and keep the rows
+    already done."""
     declared = questions(chapter) if chapter else {}
     answers = {} if deleted else read_log(log)
     rows = []
@@ -144,21 +160,25 @@ def recheck_log(log: Path, chapter: str | None, *, deleted: bool = False,
         else:
             _progress(progress, {"start": qid})
             result = recheck(q, line["answer"], timeout=timeout)
-            rows.append(_row(qid, result.status, result.score, q.points, result.message))
+            rows.append(_row(qid, result.status, result.score, q.points,
+                             cap(str(result.message))))
         _progress(progress, {"row": rows[-1]})
     return rows
 
 
-def _progress(path: Path | None, item: dict[str, Any]) -> None:
-    if path is not None:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(item) + "\n")
+def _progress(channel: TextIO | None, item: dict[str, Any]) -> None:
+    if channel is not None:
+        channel.write(json.dumps(item) + "\n")
+        channel.flush()
 
 
 def report_for(path: Path, rows: list[dict[str, Any]], error: str | None,
-               seconds: float, sandboxed: bool | None = None) -> dict[str, Any]:
+               seconds: float, sandboxed: bool | None = None,
+               output: str | None = None) -> dict[str, Any]:
     """A notebook's row of the batch: the questions of its own chapter only, each once (the
-    first row for it), scores clamped to each question's points."""
+    first row for it), scores clamped to each question's points (one that is not a finite
+    number scores 0, marked invalid), every text capped at :data:`TEXT_LIMIT` characters;
+    ``output``, what its grader process printed, is kept (its end) under "output"."""
     own = questions(chapter_of(path)) if chapter_of(path) else {}
     clean, seen = [], set()
     for r in rows:
@@ -166,24 +186,37 @@ def report_for(path: Path, rows: list[dict[str, Any]], error: str | None,
         if q is None or q.id in seen:
             continue
         seen.add(q.id)
-        try:
-            score = min(max(float(r.get("score") or 0), 0.0), float(q.points))
-        except (TypeError, ValueError):
-            score = 0.0
-        clean.append(_row(q.id, str(r.get("status")), score, q.points,
-                          str(r.get("message") or "")))
+        clean.append(_clean_row(q.id, r, float(q.points)))
     order = {qid: i for i, qid in enumerate(notebook_order(path, own))}
     clean.sort(key=lambda r: (order.get(r["id"], len(order)), r["id"]))  # the rest by id
-    return {
+    report = {
         "notebook": str(path),
         "chapter": chapter_of(path),
-        "error": error,
+        "error": None if error is None else cap(str(error)),
         "seconds": round(seconds, 1),
         "sandboxed": sandboxed,
         "questions": clean,
         "score": sum(r["score"] for r in clean),
         "max_score": sum(r["max_score"] for r in clean),
     }
+    if output is not None:
+        report["output"] = cap(output, keep_end=True)
+    return report
+
+
+def _clean_row(qid: str, row: dict[str, Any], points: float) -> dict[str, Any]:
+    """``row`` as data: its score a finite number within ``points`` (else 0, and the row
+    marked invalid), its status and message strings, capped."""
+    status, message = cap(str(row.get("status")), 40), cap(str(row.get("message") or ""))
+    try:
+        score = float(row.get("score") or 0)
+    except (TypeError, ValueError, OverflowError):
+        score = math.nan
+    if not math.isfinite(score):
+        status, message = INVALID, f"the grader reported a score that is not a finite number " \
+                                   f"({cap(repr(row.get('score')), 40)}): it counts 0"
+        score = 0.0
+    return _row(qid, status, min(max(score, 0.0), points), points, message)
 
 
 _QUOTED_ID = re.compile(r"""["'](\d\d\.[A-Za-z0-9_]+)["']""")
@@ -211,7 +244,8 @@ def _failed_report(path: Path, error: str, seconds: float = 0.0) -> dict[str, An
     return report_for(Path(path), rows, error, seconds)
 
 
-def grade(path: Path, timeout: float = 600.0, progress: Path | None = None) -> dict[str, Any]:
+def grade(path: Path, timeout: float = 600.0,
+          progress: TextIO | None = None) -> dict[str, Any]:
     """Execute one notebook in this process's kernel, then re-check its answers here;
     return its report (a JSON-able dict). Never raises (but KeyboardInterrupt)."""
     import nbformat
@@ -276,7 +310,16 @@ def format_report(rep: dict[str, Any], json_path: str | None = None,
         lines.append(f"  ERROR: {rep['error']}")
     if rep.get("sandboxed") is False:
         lines.append("  graded without a sandbox")
-    return "\n".join(lines)
+    return _CONTROL.sub(_escaped, "\n".join(lines))
+
+
+# control characters (but tab and newline): a notebook's text must not move the cursor, set the
+# terminal's title or clear the rows above it
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return f"\\x{ord(match.group()):02x}"
 
 
 def _wrap(message: str, width: int, json_path: str | None) -> list[str]:
@@ -318,25 +361,30 @@ def _write_json_at(path: Path, reports: list[dict[str, Any]], complete: bool) ->
 def _grade_one(path: Path, limits: Limits, sandbox: bool, digest: str) -> dict[str, Any]:
     """Grade one notebook in a child grader process (in bwrap with ``sandbox``); a row
     whatever happens to it. The limits are kept here: past one, the child's whole process
-    tree is killed and the rows it finished are kept."""
+    tree is killed and the rows it finished are kept. The child reports on a pipe of ours
+    (:mod:`parlib.course.channel`); what it prints goes to the row, not to our terminal."""
     t0 = time.monotonic()
     if not Path(path).is_file():  # no process to start for that
         return _failed_report(path, "no such notebook (missing, or deleted before its turn)")
-    with tempfile.TemporaryDirectory(prefix="parlib-grade-") as tmp:
-        out, progress = Path(tmp) / "report.json", Path(tmp) / "progress.jsonl"
+    with tempfile.TemporaryDirectory(prefix="parlib-grade-") as tmp, \
+            Channel.pipe() as channel, Output.pipe() as output:
         cmd = [sys.executable, "-m", "parlib.course.grading", "--one",
-               str(Path(path).resolve()), "--out", str(out), "--progress", str(progress),
+               str(Path(path).resolve()), "--channel", str(channel.write_fd),
                "--timeout", repr(limits.cell), "--digest", digest]
-        if sandbox:
-            cmd = sandboxed(cmd, Path(tmp), (Path(path).resolve().parent,))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(COURSE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(
                 os.pathsep) if p])}
+        if sandbox:
+            cmd = sandboxed(cmd, Path(tmp), (Path(path).resolve().parent,), env)
         ours = set() if sandbox else descendants()  # the caller's own processes, spared
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=output.write_fd,
+                                stderr=subprocess.STDOUT, pass_fds=(channel.write_fd,),
+                                start_new_session=True, env=env)
+        channel.close_write()  # the child's ends only: each pipe ends when its writers do
+        output.close_write()
         stopped = None
         try:
-            stopped = watch(proc, progress, limits, t0)
+            stopped = watch(proc, channel, limits, t0, output)
         except BaseException:  # interrupted: stop the child and its kernel, then say so
             stop(proc, gently=True)
             raise
@@ -345,21 +393,30 @@ def _grade_one(path: Path, limits: Limits, sandbox: bool, digest: str) -> dict[s
                 stop(proc)
             if not sandbox:
                 kill_descendants(ours)  # whatever the notebook left running, detached or not
-        code = proc.returncode
-        if stopped is not None:
-            rows = rows_done(progress) + _stopped_rows(path, stopped[1])
-            return report_for(Path(path), rows, stopped[0], time.monotonic() - t0, sandbox)
-        try:
-            rep = json.loads(out.read_text(encoding="utf-8"))
-            return report_for(Path(path), rep["questions"], rep["error"], rep["seconds"],
-                              sandbox)
-        except (OSError, ValueError, KeyError, TypeError):
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            rep = _failed_report(path, f"the grader's process for this notebook died ({how}) "
-                                       f"before it reported: did the notebook kill it?",
-                                 time.monotonic() - t0)
-            rep["sandboxed"] = sandbox
-            return rep
+            channel.drain()
+            output.drain()
+        return _row_of(path, proc.returncode, channel, stopped, sandbox, output.text(),
+                       time.monotonic() - t0)
+
+
+def _row_of(path: Path, code: int, channel: Channel, stopped: tuple[str, str | None] | None,
+            sandbox: bool, output: str, seconds: float) -> dict[str, Any]:
+    """The row from what the child sent: its rows so far when it was stopped, else its
+    report; it died when it sent none."""
+    if stopped is not None:
+        rows = channel.rows() + _stopped_rows(path, stopped[1])
+        return report_for(Path(path), rows, stopped[0], seconds, sandbox, output)
+    rep = channel.report()
+    try:
+        return report_for(Path(path), rep["questions"], rep["error"], seconds, sandbox,
+                          output)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        error = (f"the grader's process for this notebook died ({how}) before it reported: "
+                 f"did the notebook kill it?")
+        rep = _failed_report(path, error, seconds)
+        rep.update(sandboxed=sandbox, output=cap(output, keep_end=True))
+        return rep
 
 
 def _chapter_name(number: str | None) -> str:
@@ -383,25 +440,40 @@ def _stopped_rows(path: Path, current: str | None) -> list[dict[str, Any]]:
 
 
 def _one(argv: list[str]) -> int:
-    """``--one NB --out FILE``: the child that grades a single notebook."""
+    """``--one NB --channel FD``: the child that grades a single notebook and reports on
+    the pipe ``FD`` the batch grader gave it (see :mod:`parlib.course.channel`)."""
     parser = argparse.ArgumentParser(prog="python -m parlib.course.grading --one")
     parser.add_argument("--one", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--progress", default=None)
+    parser.add_argument("--channel", type=int, required=True)
     parser.add_argument("--digest", default=None)
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
-    if args.digest and course_digest() != args.digest:
-        rep = _failed_report(Path(args.one), "the grader's files changed on disk since the "
-                                             "batch started (did a notebook edit them?): "
-                                             "not graded")
-    else:
-        questions()  # the registry is loaded before any of the notebook's code runs
-        signal_to_interrupt()
-        rep = grade(Path(args.one), timeout=args.timeout,
-                    progress=Path(args.progress) if args.progress else None)
-    Path(args.out).write_text(json.dumps(rep), encoding="utf-8")
+    os.set_inheritable(args.channel, False)  # the kernel the notebook runs in never has it
+    not_dumpable()
+    with os.fdopen(args.channel, "w", encoding="utf-8") as channel:
+        if args.digest and course_digest() != args.digest:
+            rep = _failed_report(Path(args.one), "the grader's files changed on disk since "
+                                                 "the batch started (did a notebook edit "
+                                                 "them?): not graded")
+        else:
+            questions()  # the registry is loaded before any of the notebook's code runs
+            signal_to_interrupt()
+            rep = grade(Path(args.one), timeout=args.timeout, progress=channel)
+        _progress(channel, {"report": rep})
     return 0
+
+
+def not_dumpable() -> None:
+    """Mark this process not dumpable (Linux): another process of the same user, without
+    CAP_SYS_PTRACE (dropped in the sandbox), can then neither trace it, read its memory nor
+    open its file descriptors through /proc (the channel among them); the kernel, a new
+    program, is dumpable again."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
 
 
 def signal_to_interrupt() -> None:

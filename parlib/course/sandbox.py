@@ -1,68 +1,120 @@
 """Where ``parlib grade`` runs each notebook: a bubblewrap sandbox, or a watched process tree.
 
-With ``bwrap`` (Debian's ``bubblewrap``) each notebook's grader process runs with a
-read-only view of the whole file system (the course, the grader, ``--json``'s folder), its
-own ``/tmp``, no network (only its own loopback), its own PID namespace (it cannot see or
-signal the batch grader, and every process it started dies with it) and one writable
-folder of its own. Without it (``--no-sandbox``, or no working ``bwrap``) the batch grader
-becomes a child subreaper, so a process a notebook detaches still reparents to it, and
-kills every process under it after each notebook's row.
+With ``bwrap`` (Debian's ``bubblewrap``) each notebook's grader process runs with every
+capability dropped (root included), a read-only view of the whole file system (the course,
+the grader, ``--json``'s folder), its own empty ``/tmp``, ``/run`` and ``TMPDIR`` (no host
+socket file to connect to), no network (only its own loopback), its own PID namespace (it
+cannot see or signal the batch grader, and every process it started dies with it), only
+the environment names of :data:`ENV_ALLOWED` and one writable folder of its own. Without
+it (``--no-sandbox``, or no working ``bwrap``) the batch grader becomes a child subreaper,
+so a process a notebook detaches still reparents to it, and kills every process under it
+after each notebook's row.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from parlib.course.channel import Channel, Output
 from parlib.course.registry import questions
 
 SANDBOX_ENV = "PARLIB_GRADE_SANDBOXED"
 COURSE = Path(__file__).resolve().parents[1]  # the parlib package: the code that grades
 
 
+# What a notebook's grader process is given of the batch's environment: the names it needs
+# to find Python, its modules and the locale, and the thread and device settings the
+# project reads; nothing else (no tokens, no agent sockets, no session bus).
+ENV_ALLOWED = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_NUMERIC", "LC_MESSAGES",
+               "TZ", "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUTF8",
+               "PYTHONIOENCODING", "VIRTUAL_ENV", "JUPYTER_PATH", "OMP_NUM_THREADS",
+               "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+               "CUDA_VISIBLE_DEVICES", "PARLIB_DEVICE", "PARLIB_BACKEND", "PARLIB_MAX_RANKS",
+               "MPLBACKEND", "TQDM_DISABLE")
+# what the sandbox sets itself (HOME, TMPDIR and the caches in its own folders)
+ENV_SET = (SANDBOX_ENV, "HOME", "TMPDIR", "PARLIB_CACHE_DIR", "MPLCONFIGDIR")
+# never hidden under a tmpfs, whatever TMPDIR says: the system the sandbox runs on
+_SYSTEM = {"/", "/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/opt", "/var",
+           "/home", "/root", "/dev", "/proc", "/sys", "/srv", "/mnt", "/media", "/boot"}
+
+
+# kernel settings that root writes without a capability (core_pattern runs a program as
+# the host's root): read-only, whether or not this bwrap covers them itself
+_PROC_READ_ONLY = ("--ro-bind", "/proc/sys", "/proc/sys",
+                   "--ro-bind-try", "/proc/sysrq-trigger", "/proc/sysrq-trigger")
+
+
 @functools.lru_cache(maxsize=1)
 def bwrap() -> str | None:
-    """The path of a ``bwrap`` that works here (it needs user namespaces), else None."""
+    """The path of a ``bwrap`` that works here (it needs user namespaces, or root) and
+    knows every option :func:`sandboxed` gives it, else None."""
     path = shutil.which("bwrap")
     if path is None:
         return None
     try:
-        ok = subprocess.run([path, "--ro-bind", "/", "/", "--unshare-pid", "--unshare-net",
-                             "--die-with-parent", "true"], stdin=subprocess.DEVNULL,
-                            capture_output=True, timeout=20).returncode == 0
+        ok = subprocess.run([path, "--ro-bind", "/", "/", "--proc", "/proc", *_PROC_READ_ONLY,
+                             "--unshare-pid", "--unshare-net", "--cap-drop", "ALL",
+                             "--clearenv", "--die-with-parent", "true"],
+                            stdin=subprocess.DEVNULL, capture_output=True,
+                            timeout=20).returncode == 0
     except (OSError, subprocess.SubprocessError):
         ok = False
     return path if ok else None
 
 
-def sandboxed(cmd: list[str], writable: Path, readable: tuple[Path, ...] = ()) -> list[str]:
-    """``cmd`` wrapped in bwrap: everything read-only but ``writable``, own /tmp (with
-    ``readable``, the notebook's folder, the course and Python, seen read-only where they
-    lie under /tmp), no network, own PID namespace; it dies with the grader."""
+def hidden_folders(env: Mapping[str, str] = os.environ) -> list[str]:
+    """The folders the sandbox covers with an empty tmpfs besides /tmp: /run (sockets of
+    system daemons and sessions; /var/run where it is not a link to it), and the batch's
+    ``XDG_RUNTIME_DIR`` and ``TMPDIR`` where they exist outside /tmp (a forkserver's or an
+    agent's socket file there would otherwise connect)."""
+    found = []
+    for folder in ("/run", "/var/run", env.get("XDG_RUNTIME_DIR"), env.get("TMPDIR")):
+        if not folder or not os.path.isdir(folder):
+            continue
+        real = os.path.realpath(folder)
+        inside = any(real == h or real.startswith(h + "/") for h in ["/tmp", *found])
+        if not inside and real not in _SYSTEM:
+            found.append(real)
+    return found
+
+
+def sandboxed(cmd: list[str], writable: Path, readable: tuple[Path, ...] = (),
+              env: Mapping[str, str] = os.environ) -> list[str]:
+    """``cmd`` wrapped in bwrap: every capability dropped (root inside cannot remount a
+    read-only view), only the names of :data:`ENV_ALLOWED` kept from ``env``, everything
+    read-only but ``writable``, its own empty /tmp and :func:`hidden_folders` (with
+    ``readable``, the notebook's folder, the course and Python seen read-only where they
+    lie under one), no network, own PID namespace; it dies with the grader."""
     exe = bwrap()
     if exe is None:
         raise RuntimeError("bwrap is not available: install bubblewrap, or pass --no-sandbox")
     w = str(Path(writable).resolve())
+    hidden = ["/tmp", *hidden_folders(env)]
+    needed = {str(Path(p).resolve()) for p in (*readable, COURSE.parent, sys.prefix,
+                                               sys.base_prefix)}
     views: list[str] = []
-    for r in {str(Path(p).resolve()) for p in (*readable, COURSE.parent, sys.prefix)}:
-        if r.startswith("/tmp/") and not w.startswith(r):
+    for r in sorted(needed, key=len):  # a folder before what lies in it
+        if any(r.startswith(h + "/") for h in hidden) and not w.startswith(r):
             views += ["--ro-bind", r, r]
+    kept = [arg for name in ENV_ALLOWED if name in env for arg in ("--setenv", name, env[name])]
     return [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--tmpfs", "/dev/shm",
-            "--proc", "/proc", "--tmpfs", "/tmp", *views, "--bind", w, w,
-            "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--die-with-parent", "--new-session", "--chdir", w,
-            "--setenv", SANDBOX_ENV, "1", "--setenv", "HOME", w,
+            "--proc", "/proc", *_PROC_READ_ONLY, *(arg for h in hidden for arg in ("--tmpfs", h)),
+            *views,
+            "--bind", w, w, "--cap-drop", "ALL", "--unshare-pid", "--unshare-net",
+            "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
+            "--chdir", w, "--clearenv", *kept, "--setenv", SANDBOX_ENV, "1",
+            "--setenv", "HOME", w, "--setenv", "TMPDIR", "/tmp",
             "--setenv", "PARLIB_CACHE_DIR", os.path.join(w, "cache"),
             "--setenv", "MPLCONFIGDIR", os.path.join(w, "mpl"), "--", *cmd]
 
@@ -252,39 +304,19 @@ def question_limit(qid: str, limits: Limits) -> float:
     return 30.0 + 2 * float(getattr(q, "timeout", None) or 0)
 
 
-def lines(path: Path) -> list[str]:
-    try:
-        return path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-
-
-def _json(line: str) -> dict:
-    try:
-        item = json.loads(line)
-    except (ValueError, RecursionError):  # a line being written
-        return {}
-    return item if isinstance(item, dict) else {}
-
-
-def rows_done(progress: Path) -> list[dict]:
-    """The rows a notebook's grader process finished before it was stopped."""
-    return [r["row"] for r in map(_json, lines(progress)) if isinstance(r.get("row"), dict)]
-
-
-def watch(proc: subprocess.Popen, progress: Path, limits: Limits,
-           t0: float) -> tuple[str, str | None] | None:
-    """Wait for the child; None when it ended by itself, else (why it was stopped, the
-    question whose re-check was running)."""
+def watch(proc: subprocess.Popen, channel: Channel, limits: Limits, t0: float,
+          output: Output | None = None) -> tuple[str, str | None] | None:
+    """Wait for the child, reading its ``channel`` (and its ``output``) as they come; None
+    when it ended by itself, else (why it was stopped, the question whose re-check was
+    running)."""
     current, since = None, 0.0
     while proc.poll() is None:
         time.sleep(0.1)
-        seen = lines(progress)
-        last = _json(seen[-1]) if seen else {}
-        if "start" in last and str(last["start"]) != current:
-            current, since = str(last["start"]), time.monotonic()
-        elif "start" not in last:
-            current = None
+        channel.poll()
+        if output is not None:
+            output.poll()
+        if channel.current() != current:
+            current, since = channel.current(), time.monotonic()
         if current is not None and time.monotonic() - since > question_limit(current, limits):
             return (f"the re-check of {current} ran longer than "
                     f"{question_limit(current, limits):g} s and was stopped", current)
@@ -308,6 +340,6 @@ def stop(proc: subprocess.Popen, gently: bool = False) -> None:
             continue
 
 
-__all__ = ["SANDBOX_ENV", "Limits", "become_subreaper", "bwrap", "course_digest",
-           "descendants", "kill_descendants", "kill_others_in_namespace", "lines",
-           "question_limit", "rows_done", "sandboxed", "stop", "watch"]
+__all__ = ["ENV_ALLOWED", "ENV_SET", "SANDBOX_ENV", "Limits", "become_subreaper", "bwrap",
+           "course_digest", "descendants", "hidden_folders", "kill_descendants",
+           "kill_others_in_namespace", "question_limit", "sandboxed", "stop", "watch"]
