@@ -106,7 +106,9 @@ def _held_and_sent(fn: Callable, args: tuple, size: int) -> tuple[Any, int, int,
 
     with CommLog(deep=True) as log, _KeysHeld(size) as held:
         got = fn(*args)
-    sent = sum(r.nbytes for r in log.records if r.op == "send")
+    # sends alone, or the send halves of batches (batch_isend_irecv, NCCL's way)
+    sent = sum(r.predicted_sent or 0 for r in log.records
+               if r.op in ("send", "batch_isend_irecv"))
     return got, held.most, sent, list(log.pg_calls)
 
 
