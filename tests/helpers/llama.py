@@ -1,0 +1,59 @@
+"""A tiny Llama from Hugging Face ``transformers`` (random weights, nothing downloaded) and
+its single-device run: the model the strategies were not written for
+(tests/strategies/test_on_transformers.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 8, 2, 0.1
+SEED = 0
+
+
+def llama_config(**overrides: Any) -> Any:
+    from transformers import LlamaConfig
+
+    args = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                max_position_embeddings=SEQ, use_cache=False, attn_implementation="eager")
+    return LlamaConfig(**{**args, **overrides})
+
+
+def tiny_llama(seed: int = SEED, **overrides: Any) -> torch.nn.Module:
+    """``LlamaForCausalLM`` of :func:`llama_config`, weights drawn from ``seed``."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(llama_config(**overrides))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global batch ``step``: tokens and next-token targets, (BATCH, SEQ) each."""
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(VOCAB, (BATCH, SEQ), generator=g)
+    return tokens, torch.randint(VOCAB, (BATCH, SEQ), generator=g)
+
+
+def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position: (b, s, vocab), (b, s) -> ()."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """One device, the whole batch, SGD: each step's loss and every gradient, by name."""
+    model = tiny_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out: dict[str, torch.Tensor] = {}
+    for step in range(steps):
+        tokens, targets = batch(step)
+        loss = loss_of(model(tokens).logits, targets)
+        loss.backward()
+        out[f"step {step} loss"] = loss.detach()
+        for name, p in model.named_parameters():
+            out[f"step {step} grad {name}"] = p.grad.detach().clone()
+        opt.step()
+        opt.zero_grad()
+    return out

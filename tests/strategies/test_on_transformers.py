@@ -1,0 +1,93 @@
+"""The strategies on a model they were not written for: a Llama from Hugging Face
+``transformers`` (tiny config, random weights, nothing downloaded; skipped if transformers is
+not installed).
+
+Each run trains the same seeded ``LlamaForCausalLM`` for a few SGD steps and is held against
+one device on the whole batch (tests/helpers/llama.py): every step's loss and every gradient,
+by :func:`parlib.verify.compare` (the course's one tolerance), on 2 and 4 ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parlib
+from parlib import verify
+from parlib.comm import all_gather
+from parlib.strategies.data import shard_rows
+from parlib.strategies.fsdp import FSDP
+from parlib.strategies.sharded import Zero2
+from tests.helpers.llama import LR, STEPS, batch, loss_of, reference, tiny_llama
+
+pytest.importorskip("transformers")
+
+
+def _gathered(shard: torch.Tensor, numel: int) -> torch.Tensor:
+    """Every rank's piece of a flat tensor, side by side, the padding cut off."""
+    out = torch.empty(dist.get_world_size() * shard.numel(), dtype=shard.dtype)
+    all_gather(out, shard.detach().contiguous())
+    return out[:numel]
+
+
+def _fsdp_grads(fsdp: FSDP) -> dict[str, torch.Tensor]:
+    """The full gradient of every parameter, by the unwrapped model's names."""
+    out = {}
+    for unit in fsdp.units:
+        prefix = next(n for n, m in fsdp.module.named_modules() if m is unit.module)
+        for name, shard, shape, numel in zip(unit.names, unit.shards, unit.shapes, unit.numels):
+            out[f"{prefix}.{name}" if prefix else name] = _gathered(shard.grad, numel).view(shape)
+    return out
+
+
+def _zero2_grads(zero2: Zero2, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for shard in zero2.shards:
+        flat = _gathered(shard.tensor.grad, shard.padded)
+        for p, piece in zip(shard.params, flat.split([p.numel() for p in shard.params])):
+            out[names[id(p)]] = piece[: p.numel()].view_as(p)
+    return out
+
+
+def _train(strategy: str) -> dict[str, torch.Tensor]:
+    """This rank's rows of each batch; the loss averaged over ranks, every full gradient."""
+    torch.set_num_threads(1)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = tiny_llama(seed=rank)  # different on every rank: the strategy broadcasts rank 0's
+    if strategy == "fsdp":
+        wrapped = FSDP(model, units=[f"model.layers.{i}" for i in range(len(model.model.layers))])
+        opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    else:
+        wrapped = model
+        opt = Zero2(model, torch.optim.SGD, units=["model.layers.0", "model.layers.1"], lr=LR)
+    out: dict[str, torch.Tensor] = {}
+    for step in range(STEPS):
+        tokens, targets = (shard_rows(t, rank, n) for t in batch(step))
+        loss = loss_of(wrapped(tokens).logits, targets)
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        out[f"step {step} loss"] = mean / n
+        if strategy == "fsdp":
+            wrapped.finish_gradient_synchronization()
+            grads = _fsdp_grads(wrapped)
+        else:
+            opt.finish_gradient_synchronization()
+            grads = _zero2_grads(opt, model)
+        out.update({f"step {step} grad {name}": g for name, g in grads.items()})
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+def test_sharded_llama_equals_one_device(strategy, world_size):
+    want = reference()
+    for rank, got in enumerate(parlib.launch(_train, strategy, world_size=world_size,
+                                             timeout=300)):
+        assert set(got) == set(want)  # the loss and every gradient of every step
+        verdict = verify.compare(got, want)
+        assert verdict.ok, f"{strategy}, rank {rank} of {world_size}: {verdict}"
