@@ -42,9 +42,9 @@ def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+def reference(steps: int = STEPS, **overrides: Any) -> dict[str, torch.Tensor]:
     """One device, the whole batch, SGD: each step's loss and every gradient, by name."""
-    model = tiny_llama()
+    model = tiny_llama(**overrides)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out: dict[str, torch.Tensor] = {}
     for step in range(steps):
@@ -57,3 +57,17 @@ def reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
         opt.step()
         opt.zero_grad()
     return out
+
+
+def llama_tensor_plan(model: torch.nn.Module) -> dict[str, str]:
+    """Megatron's split of every decoder layer, by module name: q, k, v and the MLP's gate
+    and up by columns, o and down by rows (for ``tensor_parallel_modules``)."""
+    plan = {}
+    for i in range(len(model.model.layers)):
+        layer = f"model.layers.{i}"
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{layer}.self_attn.{name}"] = "column"
+        plan[f"{layer}.self_attn.o_proj"] = "row"
+        plan[f"{layer}.mlp.gate_proj"] = plan[f"{layer}.mlp.up_proj"] = "column"
+        plan[f"{layer}.mlp.down_proj"] = "row"
+    return plan

@@ -19,7 +19,16 @@ from parlib.comm import all_gather
 from parlib.strategies.data import shard_rows
 from parlib.strategies.fsdp import FSDP
 from parlib.strategies.sharded import Zero2
-from tests.helpers.llama import LR, STEPS, batch, loss_of, reference, tiny_llama
+from parlib.strategies.tensor import local_shards, tensor_parallel_modules
+from tests.helpers.llama import (
+    LR,
+    STEPS,
+    batch,
+    llama_tensor_plan,
+    loss_of,
+    reference,
+    tiny_llama,
+)
 
 pytest.importorskip("transformers")
 
@@ -91,3 +100,50 @@ def test_sharded_llama_equals_one_device(strategy, world_size):
         assert set(got) == set(want)  # the loss and every gradient of every step
         verdict = verify.compare(got, want)
         assert verdict.ok, f"{strategy}, rank {rank} of {world_size}: {verdict}"
+
+
+def _tensor_parallel(overrides: dict) -> tuple[dict, dict]:
+    """The whole batch on every rank; this rank's piece of every reference gradient."""
+    torch.set_num_threads(1)
+    model = tiny_llama(**overrides)  # the same seed on every rank: the copy cuts its slice
+    tp = tensor_parallel_modules(model, llama_tensor_plan(model))
+    opt = torch.optim.SGD(tp.parameters(), lr=LR)
+    want_all = reference(**overrides)
+    got, want = {}, {}
+    for step in range(STEPS):
+        tokens, targets = batch(step)
+        loss = loss_of(tp(tokens).logits, targets)
+        loss.backward()
+        got[f"step {step} loss"] = loss.detach()
+        want[f"step {step} loss"] = want_all[f"step {step} loss"]
+        full = {n: want_all[f"step {step} grad {n}"] for n, _ in model.named_parameters()}
+        for name, piece in local_shards(tp, full).items():
+            got[f"step {step} grad {name}"] = dict(tp.named_parameters())[name].grad.clone()
+            want[f"step {step} grad {name}"] = piece
+        opt.step()
+        opt.zero_grad()
+    return got, want
+
+
+# t must divide the key/value heads: 2 of them (grouped-query attention) for t = 2, 4 for t = 4
+TP_CASES = [(2, {}), (4, {"num_key_value_heads": 4})]
+
+
+@pytest.mark.parametrize("t,overrides", TP_CASES, ids=["t=2 gqa", "t=4"])
+def test_tensor_parallel_llama_equals_one_device(t, overrides):
+    n_params = len(dict(tiny_llama().named_parameters()))
+    for rank, (got, want) in enumerate(parlib.launch(_tensor_parallel, overrides,
+                                                     world_size=t, timeout=300)):
+        assert sum(k.startswith("step 0 grad ") for k in got) == n_params
+        verdict = verify.compare(got, want)
+        assert verdict.ok, f"tensor parallelism, rank {rank} of {t}: {verdict}"
+
+
+def test_tensor_plan_refuses_what_it_cannot_split():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="'model.norm' \\(LlamaRMSNorm\\)"):
+        tensor_parallel_modules(model, {"model.norm": "column"})
+    with pytest.raises(ValueError, match="no such module"):
+        tensor_parallel_modules(model, {"model.layers.0.attn.q": "column"})
+    with pytest.raises(ValueError, match="\"column\" or \"row\""):
+        tensor_parallel_modules(model, {"model.layers.0.self_attn.q_proj": "colwise"})
