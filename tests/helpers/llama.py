@@ -71,3 +71,23 @@ def llama_tensor_plan(model: torch.nn.Module) -> dict[str, str]:
         plan[f"{layer}.mlp.gate_proj"] = plan[f"{layer}.mlp.up_proj"] = "column"
         plan[f"{layer}.mlp.down_proj"] = "row"
     return plan
+
+
+class DecoderLayer(torch.nn.Module):
+    """One Llama decoder layer as a pipeline stage runs it: hidden states in, hidden states
+    out. The positions' rotation (cos, sin) and the causal mask, which ``LlamaModel``
+    computes once for all its layers, are computed here from the hidden states' length."""
+
+    def __init__(self, layer: torch.nn.Module, rotary: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer, self.rotary = layer, rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq = x.shape[1]
+        positions = torch.arange(seq, device=x.device)[None]  # (1, s)
+        future = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        mask = torch.zeros(seq, seq, dtype=x.dtype, device=x.device).masked_fill(
+            future, torch.finfo(x.dtype).min)[None, None]  # (1, 1, s, s): 0 or -inf
+        out = self.layer(x, attention_mask=mask,
+                         position_embeddings=self.rotary(x, positions))
+        return out[0] if isinstance(out, tuple) else out  # transformers 4 returned a tuple

@@ -9,6 +9,8 @@ by :func:`parlib.verify.compare` (the course's one tolerance), on 2 and 4 ranks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,11 +20,15 @@ from parlib import verify
 from parlib.comm import all_gather
 from parlib.strategies.data import shard_rows
 from parlib.strategies.fsdp import FSDP
+from parlib.strategies.pipeline import Stage, partition, run_schedule
+from parlib.strategies.schedules import schedule
 from parlib.strategies.sharded import Zero2
 from parlib.strategies.tensor import local_shards, tensor_parallel_modules
 from tests.helpers.llama import (
     LR,
+    SEQ,
     STEPS,
+    DecoderLayer,
     batch,
     llama_tensor_plan,
     loss_of,
@@ -147,3 +153,86 @@ def test_tensor_plan_refuses_what_it_cannot_split():
         tensor_parallel_modules(model, {"model.layers.0.attn.q": "column"})
     with pytest.raises(ValueError, match="\"column\" or \"row\""):
         tensor_parallel_modules(model, {"model.layers.0.self_attn.q_proj": "colwise"})
+
+
+def _pipeline(name: str, overrides: dict) -> dict[str, torch.Tensor]:
+    """This rank's stage of the Llama: the embedding first, its decoder layers, the final
+    norm and the head last; each step's loss (last rank) and gradients, by full names."""
+    torch.set_num_threads(1)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    model = tiny_llama(**overrides)  # every rank builds it whole and keeps its layers
+    mine = partition(len(model.model.layers), p)[rank]
+    stage = Stage.from_modules(
+        model.model.embed_tokens if rank == 0 else None,
+        [DecoderLayer(model.model.layers[i], model.model.rotary_emb) for i in mine],
+        torch.nn.Sequential(model.model.norm, model.lm_head) if rank == p - 1 else None,
+        row_shape=(SEQ, model.config.hidden_size), names_from=model)
+    opt = torch.optim.SGD(stage.parameters(), lr=LR)
+    out: dict[str, torch.Tensor] = {}
+    for step in range(STEPS):
+        tokens, targets = batch(step)
+        loss = run_schedule(stage, schedule(name, p, MICROBATCHES, rank), tokens, targets,
+                            MICROBATCHES)
+        if loss is not None:
+            out[f"step {step} loss"] = torch.tensor(loss)
+        out.update({f"step {step} grad {n}": g for n, g in stage.grads().items()})
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+MICROBATCHES = 4
+# p = 4 stages need 4 decoder layers
+PIPELINE_CASES = [(name, p) for name in ("1f1b", "zb-h1") for p in (2, 4)]
+
+
+@pytest.mark.parametrize("name,p", PIPELINE_CASES)
+def test_pipelined_llama_equals_one_device(name, p):
+    overrides = {"num_hidden_layers": p}
+    want = reference(**overrides)
+    got: dict[str, torch.Tensor] = {}
+    for part in parlib.launch(_pipeline, name, overrides, world_size=p, timeout=300):
+        assert not set(part) & set(got)  # each parameter on one stage, the loss on the last
+        got.update(part)
+    assert set(got) == set(want)  # the loss and every gradient of every step
+    verdict = verify.compare(got, want)
+    assert verdict.ok, f"{name} on {p} ranks: {verdict}"
+
+
+def _one_rank_passes_first() -> str:
+    model = tiny_llama()
+    try:  # rank 1 of 2 is not the first stage
+        Stage.from_modules(model.model.embed_tokens, [], None, row_shape=(SEQ, 32))
+    except ValueError as err:
+        return str(err)
+    return "accepted"
+
+
+def test_stage_refuses_an_embedding_on_a_middle_rank():
+    said = parlib.launch(_one_rank_passes_first, world_size=2)
+    assert "pass first= only on the pipeline's first rank (rank 0)" in said[1]
+
+
+def _readme_example() -> str:
+    """The README's "Use it on your own model" code block, as written."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Use it on your own model", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_example_runs_as_written(monkeypatch):
+    returned = []
+    launch = parlib.launch
+
+    def recording_launch(*args, **kwargs):
+        returned.append(launch(*args, timeout=300, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(parlib, "launch", recording_launch)
+    example: dict = {"__name__": "readme_example"}
+    exec(_readme_example(), example)
+    sharded, tensor_parallel = returned
+    model = example["llama"]()  # the one-device loss of the same weights on the whole batch
+    want = loss_of(model(example["tokens"]).logits, example["targets"]).item()
+    assert verify.close(torch.tensor(sum(sharded) / 2), torch.tensor(want)), (sharded, want)
+    assert all(verify.close(torch.tensor(got), torch.tensor(want)) for got in tensor_parallel)
