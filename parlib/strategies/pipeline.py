@@ -129,19 +129,23 @@ class Stage(nn.Module):
         :meth:`grads` then uses. The rank, p and neighbours come from ``group`` (None: the
         default group); the last stage's logits go to :func:`parlib.model.loss_fn`."""
         rank, p = rank_and_size(group or dist.group.WORLD, "Stage.from_modules")
-        for module, needed, where in ((first, rank == 0, "first"), (last, rank == p - 1, "last")):
-            if (module is not None) != needed:
+        for module, end, where in ((first, 0, "first"), (last, p - 1, "last")):
+            if (module is not None) != (rank == end):
                 raise ValueError(
-                    f"Stage.from_modules on rank {rank} of a {p}-rank pipeline: pass {where}= "
-                    f"only on the pipeline's {where} rank (rank {0 if where == 'first' else p - 1}"
-                    f"), None on the others; got {'None' if module is None else 'a module'}")
+                    f"Stage.from_modules on rank {rank} of a {p}-rank pipeline: {where}= goes "
+                    f"to the pipeline's {where} rank (rank {end}) only; "
+                    + ("pass it here" if rank == end else "pass None here"))
         stage = cls.__new__(cls)
         nn.Module.__init__(stage)
         stage.cfg, stage.layer_ids = None, range(0)
         stage._hold(first, list(layers), last, rank, p, pipeline_peers(group), group)
         stage.row_shape = tuple(row_shape)
-        full = {id(t): n for n, t in (names_from.named_parameters() if names_from else ())}
-        stage.global_names = {n: full.get(id(t), n) for n, t in stage.named_parameters()}
+        # by identity: a wrapped layer's tensors keep their names in the whole model
+        whole = [*names_from.named_parameters(), *names_from.named_buffers()] if names_from \
+            else []
+        full = {id(t): n for n, t in whole}
+        stage.global_names = {n: full.get(id(t), n)
+                              for n, t in [*stage.named_parameters(), *stage.named_buffers()]}
         return stage
 
     @property

@@ -210,7 +210,8 @@ def _one_rank_passes_first() -> str:
 
 def test_stage_refuses_an_embedding_on_a_middle_rank():
     said = parlib.launch(_one_rank_passes_first, world_size=2)
-    assert "pass first= only on the pipeline's first rank (rank 0)" in said[1]
+    assert said[0] == "accepted"
+    assert "first= goes to the pipeline's first rank (rank 0) only; pass None here" in said[1]
 
 
 def _readme_example() -> str:
