@@ -71,8 +71,9 @@ def _train(strategy: str) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
     model = tiny_llama(seed=rank)  # different on every rank: the strategy broadcasts rank 0's
-    if strategy == "fsdp":
-        wrapped = FSDP(model, units=[f"model.layers.{i}" for i in range(len(model.model.layers))])
+    if strategy.startswith("fsdp"):
+        wrapped = FSDP(model, units=[f"model.layers.{i}" for i in range(len(model.model.layers))],
+                       prefetch="prefetch" in strategy, recompute="recompute" in strategy)
         opt = torch.optim.SGD(wrapped.parameters(), lr=LR)
     else:
         wrapped = model
@@ -85,7 +86,7 @@ def _train(strategy: str) -> dict[str, torch.Tensor]:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         out[f"step {step} loss"] = mean / n
-        if strategy == "fsdp":
+        if strategy.startswith("fsdp"):
             wrapped.finish_gradient_synchronization()
             grads = _fsdp_grads(wrapped)
         else:
@@ -100,6 +101,15 @@ def _train(strategy: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
 def test_sharded_llama_equals_one_device(strategy, world_size):
+    _held_to_one_device(strategy, world_size)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp prefetch", "fsdp recompute"])
+def test_fsdp_options_on_llama_equal_one_device(strategy):
+    _held_to_one_device(strategy, 2)
+
+
+def _held_to_one_device(strategy: str, world_size: int) -> None:
     want = reference()
     for rank, got in enumerate(parlib.launch(_train, strategy, world_size=world_size,
                                              timeout=300)):
