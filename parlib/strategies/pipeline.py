@@ -82,24 +82,18 @@ class Stage(nn.Module):
     stage, its blocks, the head on the last. ``stage(x)`` runs them in order (tokens in on
     the first stage, hidden states in otherwise; logits out on the last). ``group``: the
     pipeline's process group (None: the default group), whose ranks check the schedule
-    together before a step."""
+    together before a step. Any other model: :meth:`from_modules`."""
 
     def __init__(self, model: TinyGPT, rank: int, p: int, prev_rank: int | None = None,
                  next_rank: int | None = None, group: Any = None) -> None:
         super().__init__()
         if not 0 <= rank < p:
             raise ValueError(f"rank must be in [0, {p}), got {rank}")
-        self.cfg: ModelConfig = model.cfg
-        self.rank, self.p = rank, p  # the stage's index in its pipeline, and the pipeline's length
-        self.chunk = 0  # which of its rank's model chunks this is (interleaved: rank = c*p + r)
-        # Global ranks of the neighbouring stages (None at the ends): in a pipeline group of
-        # a larger mesh they are not rank - 1 and rank + 1.
-        self.prev_rank, self.next_rank = prev_rank, next_rank
-        self.group = group
+        self.cfg: ModelConfig | None = model.cfg
         self.layer_ids = partition(model.cfg.n_layers, p)[rank]
-        self.embed = model.embed if rank == 0 else None
-        self.blocks = nn.ModuleList(model.blocks[i] for i in self.layer_ids)
-        self.head = model.head if rank == p - 1 else None
+        self._hold(model.embed if rank == 0 else None, [model.blocks[i] for i in self.layer_ids],
+                   model.head if rank == p - 1 else None, rank, p, (prev_rank, next_rank), group)
+        self.row_shape: tuple[int, ...] = (model.cfg.seq_len, model.cfg.d_model)
         # local parameter name -> its name in the full model ("blocks.0.x" -> "blocks.2.x")
         self.global_names: dict[str, str] = {}
         for name, _ in self.named_parameters():
@@ -108,6 +102,51 @@ class Stage(nn.Module):
                 self.global_names[name] = f"blocks.{self.layer_ids[int(i)]}.{rest}"
             else:
                 self.global_names[name] = name
+
+    def _hold(self, first: nn.Module | None, layers: Sequence[nn.Module],
+              last: nn.Module | None, rank: int, p: int,
+              peers: tuple[int | None, int | None], group: Any) -> None:
+        self.rank, self.p = rank, p  # the stage's index in its pipeline, and the pipeline's length
+        self.chunk = 0  # which of its rank's model chunks this is (interleaved: rank = c*p + r)
+        # Global ranks of the neighbouring stages (None at the ends): in a pipeline group of
+        # a larger mesh they are not rank - 1 and rank + 1.
+        self.prev_rank, self.next_rank = peers
+        self.group = group
+        self.embed = first
+        self.blocks = nn.ModuleList(layers)
+        self.head = last
+
+    @classmethod
+    def from_modules(cls, first: nn.Module | None, layers: Sequence[nn.Module],
+                     last: nn.Module | None, *, row_shape: Sequence[int],
+                     names_from: nn.Module | None = None, group: Any = None) -> Stage:
+        """This rank's stage of any model, from the modules it runs in order: ``first``
+        (tokens -> hidden states, e.g. the embedding) on the pipeline group's first rank
+        only, then ``layers`` (hidden states in, hidden states out: one tensor each), then
+        ``last`` (hidden states -> logits, e.g. the final norm and the head) on its last rank
+        only; ``None`` elsewhere. ``row_shape``: one row's hidden states at a stage boundary,
+        (seq_len, hidden). ``names_from``: the whole model, whose parameter names
+        :meth:`grads` then uses. The rank, p and neighbours come from ``group`` (None: the
+        default group); the last stage's logits go to :func:`parlib.model.loss_fn`."""
+        rank, p = rank_and_size(group or dist.group.WORLD, "Stage.from_modules")
+        for module, end, where in ((first, 0, "first"), (last, p - 1, "last")):
+            if (module is not None) != (rank == end):
+                raise ValueError(
+                    f"Stage.from_modules on rank {rank} of a {p}-rank pipeline: {where}= goes "
+                    f"to the pipeline's {where} rank (rank {end}) only; "
+                    + ("pass it here" if rank == end else "pass None here"))
+        stage = cls.__new__(cls)
+        nn.Module.__init__(stage)
+        stage.cfg, stage.layer_ids = None, range(0)
+        stage._hold(first, list(layers), last, rank, p, pipeline_peers(group), group)
+        stage.row_shape = tuple(row_shape)
+        # by identity: a wrapped layer's tensors keep their names in the whole model
+        whole = [*names_from.named_parameters(), *names_from.named_buffers()] if names_from \
+            else []
+        full = {id(t): n for n, t in whole}
+        stage.global_names = {n: full.get(id(t), n)
+                              for n, t in [*stage.named_parameters(), *stage.named_buffers()]}
+        return stage
 
     @property
     def is_first(self) -> bool:
@@ -126,9 +165,9 @@ class Stage(nn.Module):
             x = self.head(x)
         return x
 
-    def activation_shape(self, batch: int) -> tuple[int, int, int]:
+    def activation_shape(self, batch: int) -> tuple[int, ...]:
         """Shape of the hidden states crossing a stage boundary for ``batch`` rows: (b, s, h)."""
-        return (batch, self.cfg.seq_len, self.cfg.d_model)
+        return (batch, *self.row_shape)
 
     def grads(self) -> dict[str, torch.Tensor]:
         """This stage's gradients by full-model name (CPU copies; zeros where None)."""

@@ -13,6 +13,8 @@ row-parallel layer) and one backward (f, before the column-parallel layer) per p
   by heads, MLP up by columns and down by rows; embeddings, LayerNorms and head replicated),
   optionally with sequence parallelism (Korthikanti et al. 2022).
 - :func:`torch_tensor_parallel`: the same split with PyTorch's ``parallelize_module``.
+- :func:`tensor_parallel_modules`: any model (a Llama from ``transformers``, say) split
+  by a plan naming its linear layers "column" or "row".
 - :func:`split_dims` / :func:`shard_of` / :func:`local_shards`: how each parameter was cut,
   and this rank's piece of any full tensor, to compare a copy's parameters or gradients
   with the single-device model's.
@@ -23,6 +25,7 @@ The operators themselves (f, g and the sequence-parallel pair) are in ``tensor_o
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -279,6 +282,42 @@ def tensor_parallel_copy(model: TinyGPT, group: Any = None,
     return TensorParallelGPT(model, group, sequence_parallel)
 
 
+SPLITS = ("column", "row")
+
+
+def tensor_parallel_modules(model: nn.Module, plan: Mapping[str, str],
+                            group: Any = None) -> nn.Module:
+    """A copy of any ``model`` with the ``nn.Linear`` layers named in ``plan`` split over the
+    t ranks of ``group``; ``model`` is left untouched, every other module is replicated.
+
+    ``plan`` maps a submodule's name to ``"column"`` (:class:`ColumnParallelLinear`: this
+    rank's output features, f before it) or ``"row"`` (:class:`RowParallelLinear`: this
+    rank's input features, g after it), as ``parallelize_module``'s ColwiseParallel and
+    RowwiseParallel do. A Llama's attention: q, k, v "column" (whole heads per rank: t must
+    divide the query and the key/value heads), o "row"; its MLP: gate and up "column", down
+    "row". Every column layer applies its own f, so q, k and v all-reduce three input
+    gradients in backward where :func:`tensor_parallel_copy` sums them first and sends once.
+    Parameters keep their names, so :func:`local_shards` pairs them with the full model's."""
+    bad = {name: how for name, how in plan.items() if how not in SPLITS}
+    if bad:
+        raise ValueError(f"tensor parallelism: plan splits {bad}; each layer is split "
+                         f"\"column\" or \"row\"")
+    layers = dict(model.named_modules())
+    for name in plan:
+        if not isinstance(layers.get(name), nn.Linear):
+            what = type(layers[name]).__name__ if name in layers else "no such module"
+            raise ValueError(f"tensor parallelism: plan names {name!r} ({what}); it splits "
+                             f"nn.Linear layers, named as in model.named_modules()")
+    new = copy.deepcopy(model)
+    for name, how in plan.items():
+        parent, _, leaf = name.rpartition(".")
+        linear = new.get_submodule(name)
+        cut = (ColumnParallelLinear.from_linear(linear, group) if how == "column"
+               else RowParallelLinear.from_linear(linear, group))
+        setattr(new.get_submodule(parent), leaf, cut)
+    return new
+
+
 def torch_tensor_parallel(model: TinyGPT, mesh: Any) -> TinyGPT:
     """PyTorch's own version of :func:`tensor_parallel_copy`: ``model`` (changed in place)
     split by ``parallelize_module`` with ColwiseParallel / RowwiseParallel over a 1-D
@@ -343,6 +382,6 @@ def local_shards(tp_model: nn.Module, full: dict[str, torch.Tensor],
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceParallelLayerNorm",
-           "TensorParallelAttention", "TensorParallelGPT", "TensorParallelMLP", "local_shards",
-           "shard_of", "split_dims", "tensor_parallel_block", "tensor_parallel_copy",
-           "torch_tensor_parallel"]
+           "SPLITS", "TensorParallelAttention", "TensorParallelGPT", "TensorParallelMLP",
+           "local_shards", "shard_of", "split_dims", "tensor_parallel_block",
+           "tensor_parallel_copy", "tensor_parallel_modules", "torch_tensor_parallel"]

@@ -28,6 +28,7 @@ from parlib.strategies.tensor import (
     RowParallelLinear,
     local_shards,
     tensor_parallel_copy,
+    tensor_parallel_modules,
 )
 
 CFG = ModelConfig(seq_len=16, d_model=32, n_heads=4, n_layers=2)
@@ -79,6 +80,35 @@ def test_tp_training_equals_single_device(t, sequence_parallel):
         assert verdict.ok, f"rank {rank} of {t}: {verdict}"
         assert n_local == tp_params_per_rank(Model.from_config(CFG), t)
     assert n_local < count_parameters(build_model(CFG))
+
+
+def _plan_vs_copy():
+    """TinyGPT split by a plan of its linear layers (:func:`tensor_parallel_modules`, the
+    path for any model) against :func:`tensor_parallel_copy`: every step's gradients and
+    the final parameters, by name."""
+    torch.set_num_threads(1)
+    plan = {}
+    for i in range(CFG.n_layers):
+        block = f"blocks.{i}"
+        plan |= {f"{block}.attn.{name}": "column" for name in ("q", "k", "v")}
+        plan |= {f"{block}.attn.out": "row", f"{block}.mlp.up": "column",
+                 f"{block}.mlp.down": "row"}
+    by_plan = _history(tensor_parallel_modules(build_model(CFG), plan), STEPS)
+    by_copy = _history(tensor_parallel_copy(build_model(CFG)), STEPS)
+    got = {f"step {k} grad {n}": g for k, grads in enumerate(by_plan.grads)
+           for n, g in grads.items()}
+    want = {f"step {k} grad {n}": g for k, grads in enumerate(by_copy.grads)
+            for n, g in grads.items()}
+    got.update({f"param {n}": t for n, t in by_plan.params.items()})
+    want.update({f"param {n}": t for n, t in by_copy.params.items()})
+    return got, want
+
+
+def test_a_plan_of_linear_layers_splits_tinygpt_as_the_copy_does():
+    for rank, (got, want) in enumerate(parlib.launch(_plan_vs_copy, world_size=2)):
+        assert set(got) == set(want)
+        verdict = verify.compare(got, want)
+        assert verdict.ok, f"rank {rank}: {verdict}"
 
 
 def _layers_vs_full(gather_output):
