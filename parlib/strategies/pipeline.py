@@ -17,20 +17,11 @@ The neighbours are global ranks carried by the stage (``stage.prev_rank`` /
   uses it to record a timeline, count bytes and saved activations, and pad compute to an
   emulated cost); without one the step is plain torch.
 
-Messages follow NCCL's rules (:class:`_Mailbox`): an op's sends and the next op's
-receive are posted together as one ``dist.batch_isend_irecv``, never as separate
-``isend`` and ``irecv`` to one peer (NCCL can deadlock on that pair), and messages match
-by the order they were posted, never by tag (NCCL ignores tags). The next op's receive is
-posted ahead, so that its message travels while this op computes, when this op sends
-nothing; otherwise it joins this op's sends after the compute (NCCL runs one rank's
-batches in order, so a receive posted ahead would hold back a send its sender may be
-waiting for: GPipe with m = 1 can deadlock so). With a blocking ``dist.send`` 1F1B can
-deadlock: a rank sending its next activation and its neighbour sending a gradient back
-both wait for a recv that comes after the other's send; batched, the two meet. Every
-payload follows a small header (kind, microbatch, chunk): two neighbours whose schedules
-order the microbatches differently would otherwise pair one microbatch's activation with
-another's and train on the mix without a word; the header turns that into an error
-naming both. The header's chunk is the receiver's (the chunk whose op consumes the payload).
+Messages follow NCCL's rules (:class:`_Mailbox` says how): an op's sends and the next op's
+receive go as one ``dist.batch_isend_irecv``, matched by order, never by tag. Every payload
+follows a small header (kind, microbatch, chunk): two neighbours whose schedules order the
+microbatches differently would otherwise train on a mix without a word; the header turns
+that into an error naming both.
 
 Split backward (a schedule with W ops): B computes only the gradient of the stage's input
 and sends it (the previous stage waits for it); W computes the weights' gradients later.
@@ -41,255 +32,34 @@ products of every layer but the first on its way down to the earlier layers' wei
 (about half a backward more per microbatch). Real implementations split each linear
 layer's backward (dgrad X -> dX = dY W^T in B, wgrad dW = dY^T X in W, stashing dY), so
 B + W costs one backward; an emulated cost (``parlib.experiments``) times them that way.
+The stages live in :mod:`parlib.strategies.pipeline_stages` (importable from here).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from parlib import comm
 from parlib.comm import agree, rank_and_size
-from parlib.model import ModelConfig, TinyGPT, build_model, loss_fn
+from parlib.model import loss_fn
+from parlib.strategies.pipeline_stages import (
+    ChunkedStage,
+    Stage,
+    build_chunks,
+    build_stage,
+    chunk_stages,
+    microbatches,
+    partition,
+    pipeline_peers,
+)
 from parlib.strategies.schedule_check import ScheduleError, validate
 from parlib.strategies.schedules import BACKWARD, FORWARD, WEIGHT, Op
-
-# --------------------------------------------------------------------------- stages
-
-
-def partition(n_layers: int, p: int) -> list[range]:
-    """Block indices of each of p stages: consecutive, sizes differing by at most one
-    (earlier stages get the extra blocks)."""
-    if p < 1 or p > n_layers:
-        raise ValueError(f"cannot cut {n_layers} blocks into p={p} stages (need 1 <= p <= L)")
-    base, extra = divmod(n_layers, p)
-    out, start = [], 0
-    for r in range(p):
-        n = base + (1 if r < extra else 0)
-        out.append(range(start, start + n))
-        start += n
-    return out
-
-
-class Stage(nn.Module):
-    """Rank ``rank``'s consecutive slice of a :class:`TinyGPT`: the embedding on the first
-    stage, its blocks, the head on the last. ``stage(x)`` runs them in order (tokens in on
-    the first stage, hidden states in otherwise; logits out on the last). ``group``: the
-    pipeline's process group (None: the default group), whose ranks check the schedule
-    together before a step. Any other model: :meth:`from_modules`."""
-
-    def __init__(self, model: TinyGPT, rank: int, p: int, prev_rank: int | None = None,
-                 next_rank: int | None = None, group: Any = None) -> None:
-        super().__init__()
-        if not 0 <= rank < p:
-            raise ValueError(f"rank must be in [0, {p}), got {rank}")
-        self.cfg: ModelConfig | None = model.cfg
-        self.layer_ids = partition(model.cfg.n_layers, p)[rank]
-        self._hold(model.embed if rank == 0 else None, [model.blocks[i] for i in self.layer_ids],
-                   model.head if rank == p - 1 else None, rank, p, (prev_rank, next_rank), group)
-        self.row_shape: tuple[int, ...] = (model.cfg.seq_len, model.cfg.d_model)
-        # local parameter name -> its name in the full model ("blocks.0.x" -> "blocks.2.x")
-        self.global_names: dict[str, str] = {}
-        for name, _ in self.named_parameters():
-            if name.startswith("blocks."):
-                _, i, rest = name.split(".", 2)
-                self.global_names[name] = f"blocks.{self.layer_ids[int(i)]}.{rest}"
-            else:
-                self.global_names[name] = name
-
-    def _hold(self, first: nn.Module | None, layers: Sequence[nn.Module],
-              last: nn.Module | None, rank: int, p: int,
-              peers: tuple[int | None, int | None], group: Any) -> None:
-        self.rank, self.p = rank, p  # the stage's index in its pipeline, and the pipeline's length
-        self.chunk = 0  # which of its rank's model chunks this is (interleaved: rank = c*p + r)
-        # Global ranks of the neighbouring stages (None at the ends): in a pipeline group of
-        # a larger mesh they are not rank - 1 and rank + 1.
-        self.prev_rank, self.next_rank = peers
-        self.group = group
-        self.embed = first
-        self.blocks = nn.ModuleList(layers)
-        self.head = last
-
-    @classmethod
-    def from_modules(cls, first: nn.Module | None, layers: Sequence[nn.Module],
-                     last: nn.Module | None, *, row_shape: Sequence[int],
-                     names_from: nn.Module | None = None, group: Any = None) -> Stage:
-        """This rank's stage of any model, from the modules it runs in order: ``first``
-        (tokens -> hidden states, e.g. the embedding) on the pipeline group's first rank
-        only, then ``layers`` (hidden states in, hidden states out: one tensor each), then
-        ``last`` (hidden states -> logits, e.g. the final norm and the head) on its last rank
-        only; ``None`` elsewhere. ``row_shape``: one row's hidden states at a stage boundary,
-        (seq_len, hidden). ``names_from``: the whole model, whose parameter names
-        :meth:`grads` then uses. The rank, p and neighbours come from ``group`` (None: the
-        default group); the last stage's logits go to :func:`parlib.model.loss_fn`."""
-        rank, p = rank_and_size(group or dist.group.WORLD, "Stage.from_modules")
-        for module, end, where in ((first, 0, "first"), (last, p - 1, "last")):
-            if (module is not None) != (rank == end):
-                raise ValueError(
-                    f"Stage.from_modules on rank {rank} of a {p}-rank pipeline: {where}= goes "
-                    f"to the pipeline's {where} rank (rank {end}) only; "
-                    + ("pass it here" if rank == end else "pass None here"))
-        stage = cls.__new__(cls)
-        nn.Module.__init__(stage)
-        stage.cfg, stage.layer_ids = None, range(0)
-        stage._hold(first, list(layers), last, rank, p, pipeline_peers(group), group)
-        stage.row_shape = tuple(row_shape)
-        # by identity: a wrapped layer's tensors keep their names in the whole model
-        whole = [*names_from.named_parameters(), *names_from.named_buffers()] if names_from \
-            else []
-        full = {id(t): n for n, t in whole}
-        stage.global_names = {n: full.get(id(t), n)
-                              for n, t in [*stage.named_parameters(), *stage.named_buffers()]}
-        return stage
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.p - 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        if self.head is not None:
-            x = self.head(x)
-        return x
-
-    def activation_shape(self, batch: int) -> tuple[int, ...]:
-        """Shape of the hidden states crossing a stage boundary for ``batch`` rows: (b, s, h)."""
-        return (batch, *self.row_shape)
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        """This stage's gradients by full-model name (CPU copies; zeros where None)."""
-        return {self.global_names[n]: (prm.grad if prm.grad is not None else torch.zeros_like(prm))
-                .detach().cpu().clone() for n, prm in self.named_parameters()}
-
-
-def pipeline_peers(group: Any = None) -> tuple[int | None, int | None]:
-    """Global ranks of the previous and next stage of this rank's pipeline ``group`` (the
-    default group when None); None at the ends. Stage i of the group is its i-th rank."""
-    group = group or dist.group.WORLD
-    i, p = rank_and_size(group, "pipeline_peers")
-    prev_rank = dist.get_global_rank(group, i - 1) if i > 0 else None
-    next_rank = dist.get_global_rank(group, i + 1) if i < p - 1 else None
-    return prev_rank, next_rank
-
-
-def build_stage(cfg: ModelConfig | None = None, seed: int = 0, rank: int | None = None,
-                p: int | None = None, device: Any = None, group: Any = None) -> Stage:
-    """Stage ``rank`` of ``p`` of ``build_model(cfg, seed)``, moved to ``device``.
-
-    Inside a process group, ``rank`` and ``p`` default to this rank's index in the pipeline
-    ``group`` (the default group when None) and its size, and the stage's neighbours are
-    that group's adjacent ranks. Every rank builds the whole small model and keeps its
-    slice; a model that does not fit on one device would build only its own layers."""
-    peers: tuple[int | None, int | None] = (None, None)
-    if dist.is_available() and dist.is_initialized():
-        mine, size = rank_and_size(group or dist.group.WORLD)
-        rank = mine if rank is None else rank
-        p = size if p is None else p
-        if (rank, p) == (mine, size):
-            peers = pipeline_peers(group)
-    stage = Stage(build_model(cfg, seed), rank or 0, p or 1, *peers, group=group)
-    return stage.to(device) if device is not None else stage
-
-
-class ChunkedStage(nn.Module):
-    """The v model chunks of one rank for an interleaved schedule: ``chunked[c]`` is a
-    :class:`Stage` for virtual stage c*p + rank of p*v (its ``rank`` and ``p`` are the
-    virtual stage's index and p*v, its ``chunk`` is c, its neighbours global ranks).
-    ``rank`` / ``p`` / ``v`` are this rank's index in its pipeline, the pipeline's length and
-    the chunks per rank; :meth:`grads` merges the chunks' gradients by full-model name."""
-
-    def __init__(self, chunks: Sequence[Stage], rank: int, p: int) -> None:
-        super().__init__()
-        if not chunks:
-            raise ValueError("a ChunkedStage needs at least one chunk")
-        self.chunks = nn.ModuleList(chunks)
-        self.rank, self.p, self.v = rank, p, len(chunks)
-
-    def __getitem__(self, c: int) -> Stage:
-        return self.chunks[c]  # type: ignore[return-value]
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-    def __iter__(self) -> Iterator[Stage]:  # type: ignore[override]
-        return iter(self.chunks)  # type: ignore[arg-type]
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        """Every chunk's gradients by full-model name (CPU copies; zeros where None)."""
-        out: dict[str, torch.Tensor] = {}
-        for chunk in self.chunks:
-            out.update(chunk.grads())  # type: ignore[operator]
-        return out
-
-
-def chunk_stages(model: TinyGPT, rank: int, p: int, v: int,
-                 peers: Sequence[int] | None = None, group: Any = None) -> ChunkedStage:
-    """Rank ``rank``'s v chunks of ``model`` in a pipeline of p ranks: the L blocks cut
-    p*v ways, chunk c is virtual stage c*p + rank. ``peers``: the global rank of each
-    pipeline index (default: index i is global rank i); ``group``: the pipeline's process
-    group (None: the default group)."""
-    if v < 1:
-        raise ValueError(f"v (model chunks per rank) must be >= 1, got {v}")
-    if not 0 <= rank < p:
-        raise ValueError(f"rank must be in [0, {p}), got {rank}")
-    if p * v > model.cfg.n_layers:
-        raise ValueError(f"cannot cut {model.cfg.n_layers} blocks into p*v = {p}*{v} = "
-                         f"{p * v} chunks: interleaving needs at least p*v blocks")
-    peers = list(range(p)) if peers is None else list(peers)
-    if len(peers) != p:
-        raise ValueError(f"peers must name the global rank of each of the {p} pipeline "
-                         f"indices, got {peers}")
-    n = p * v
-    chunks = []
-    for c in range(v):
-        s = c * p + rank
-        stage = Stage(model, s, n, peers[(s - 1) % p] if s > 0 else None,
-                      peers[(s + 1) % p] if s < n - 1 else None, group)
-        stage.chunk = c
-        chunks.append(stage)
-    return ChunkedStage(chunks, rank, p)
-
-
-def build_chunks(cfg: ModelConfig | None = None, seed: int = 0, rank: int | None = None,
-                 p: int | None = None, v: int = 2, device: Any = None,
-                 group: Any = None) -> ChunkedStage:
-    """Rank ``rank``'s v chunks of ``build_model(cfg, seed)`` for an interleaved schedule
-    (see :class:`ChunkedStage`), moved to ``device``. ``rank`` and ``p`` default to this
-    rank's index in the pipeline ``group`` (the default group when None) and its size."""
-    peers: list[int] | None = None
-    if dist.is_available() and dist.is_initialized():
-        group = group or dist.group.WORLD
-        mine, size = rank_and_size(group)
-        rank = mine if rank is None else rank
-        p = size if p is None else p
-        if p == size:
-            peers = [dist.get_global_rank(group, i) for i in range(size)]
-    chunked = chunk_stages(build_model(cfg, seed), rank or 0, p or 1, v, peers, group)
-    return chunked.to(device) if device is not None else chunked
-
-
-def microbatches(tensor: torch.Tensor, m: int) -> list[torch.Tensor]:
-    """Cut a batch into m equal microbatches along dim 0."""
-    if m < 1 or tensor.shape[0] % m:
-        raise ValueError(f"batch of {tensor.shape[0]} rows does not split into m={m} "
-                         f"equal microbatches")
-    return list(tensor.chunk(m))
-
-
-# --------------------------------------------------------------------------- one step
 
 
 class PipelineHooks:
@@ -326,8 +96,11 @@ class _Mailbox:
     Each op's sends (a header, then its payload) and the next op's receive (the same two)
     are posted together, one ``dist.batch_isend_irecv`` (:func:`parlib.comm.exchange`), and
     match by order, never by tag. A receive is waited for when its op runs, the sends at
-    the end of the step. One rank holding every chunk (p = 1) sends to itself: a queue, in
-    order.
+    the end of the step. The next op's receive is posted ahead, before this op computes,
+    only when this op sends nothing; otherwise it joins this op's sends (NCCL runs a
+    rank's batches in order: a receive posted ahead would hold back a send its sender may
+    wait for, and GPipe with m = 1 would deadlock). One rank holding every chunk (p = 1)
+    sends to itself: a queue, in order.
 
     Not covered by :func:`parlib.comm.nccl_rules`: NCCL gives a batch one work, so waiting
     for a receive also waits for the sends beside it, and runs a rank's batches in order.
@@ -465,8 +238,12 @@ def run_schedule(
     mismatch raises its :class:`ScheduleError` on every rank instead.
     """
     chunks = _chunks_of(stage)
-    v = len(chunks)
-    split = any(op.kind == WEIGHT for op in ops)
+    _check_ops(ops, m, len(chunks))
+    _check_whole_schedule(chunks, ops, m)
+    return _Step(chunks, ops, tokens, targets, m, hooks or PipelineHooks()).run()
+
+
+def _check_ops(ops: Sequence[Op], m: int, v: int) -> None:
     for i, op in enumerate(ops):
         if op.kind not in (FORWARD, BACKWARD, WEIGHT):
             raise ValueError(f"op {i} ({op!r}): unknown op kind {op.kind!r}")
@@ -478,126 +255,144 @@ def run_schedule(
                 f"op {i} ({op!r}) runs chunk {op.chunk}, but this rank has {v} chunk(s)"
                 + ("; run_schedule runs one chunk per Stage: build the chunks of an "
                    "interleaved schedule with build_chunks(cfg, seed, v=...)" if v == 1 else ""))
-    _check_whole_schedule(chunks, ops, m)
-    hooks = hooks or PipelineHooks()
-    device = next(chunks[0].parameters()).device
-    xs = microbatches(tokens, m)
-    ys = microbatches(targets, m)
-    shape = chunks[0].activation_shape(xs[0].shape[0])  # (b/m, s, h)
-    p_ranks = chunks[0].p // v  # virtual stage s = c*p + r: a neighbour's chunk is (s +- 1) // p
-    inputs: dict[tuple[int, int], torch.Tensor] = {}
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
-    weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
-    loss_total = 0.0
-    last_here = any(c.is_last for c in chunks)
-    mail = _Mailbox(device, shape, alone=p_ranks == 1)
 
-    def send(t: torch.Tensor, dst: int, op: Op, dst_chunk: int, index: int) -> None:
-        """Post op ``index``'s output with the next op's receive (see :class:`_Mailbox`)."""
-        t = t.detach().contiguous()
-        header = torch.tensor([_KIND_CODE[op.kind], op.mb, dst_chunk], device=device)
-        with hooks.message("send", dst, t, op.mb):
-            mail.send(header, t, dst)
-            post(index + 1)
 
-    def source(op: Op) -> int | None:
+class _Step:
+    """One rank's step of :func:`run_schedule`: the ops in order, what they share (each
+    microbatch's input and output until its backward, the W work a split backward leaves,
+    the mailbox) and their messages."""
+
+    def __init__(self, chunks: list[Stage], ops: Sequence[Op], tokens: torch.Tensor,
+                 targets: torch.Tensor, m: int, hooks: PipelineHooks) -> None:
+        self.chunks, self.ops, self.m, self.hooks = chunks, ops, m, hooks
+        self.device = next(chunks[0].parameters()).device
+        self.xs, self.ys = microbatches(tokens, m), microbatches(targets, m)
+        shape = chunks[0].activation_shape(self.xs[0].shape[0])  # (b/m, s, h)
+        # virtual stage s = c*p + r: a neighbour's chunk is (s +- 1) // p
+        self.p_ranks = chunks[0].p // len(chunks)
+        self.split = any(op.kind == WEIGHT for op in ops)
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.loss_total = 0.0
+        self.mail = _Mailbox(self.device, shape, alone=self.p_ranks == 1)
+
+    def run(self) -> float | None:
+        run_op = {FORWARD: self.forward, BACKWARD: self.backward, WEIGHT: self.weight}
+        self.post(0)
+        for index, op in enumerate(self.ops):
+            if not self.sends(op):  # the next op's input travels while this op computes
+                self.post(index + 1)  # (NCCL would hold this op's sends behind it: with
+            run_op[op.kind](index, op, self.chunks[op.chunk])  # them, after it, if any)
+        self.mail.finish()
+        if self.outputs:
+            raise RuntimeError(f"schedule ended with (microbatch, chunk) "
+                               f"{sorted(self.outputs)} never run backward")
+        if self.weight_work:
+            raise RuntimeError(f"schedule ended with (microbatch, chunk) "
+                               f"{sorted(self.weight_work)} never run W (the weight gradients)")
+        return self.loss_total if any(c.is_last for c in self.chunks) else None
+
+    # ---- the three ops
+    def forward(self, index: int, op: Op, st: Stage) -> None:
+        i, key = op.mb, (op.mb, op.chunk)
+        x = (self.xs[i].to(self.device) if st.is_first
+             else self.recv(index, op, st).requires_grad_())
+        with self.hooks.compute_op(op, self.xs[i].shape[0]):
+            y = st(x)  # (b/m, s, h), logits (b/m, s, V) on the last stage
+            if st.is_last:
+                y = loss_fn(y, self.ys[i].to(self.device)) / self.m
+        self.inputs[key], self.outputs[key] = x, y
+        if st.is_last:
+            self.loss_total += y.item()
+        else:
+            self.send(y, st.next_rank, op, (st.rank + 1) // self.p_ranks, index)
+
+    def backward(self, index: int, op: Op, st: Stage) -> None:
+        key, rows = (op.mb, op.chunk), self.xs[op.mb].shape[0]
+        if key not in self.outputs:
+            raise RuntimeError(f"op {op!r}: its forward has not run on this rank")
+        grad = None if st.is_last else self.recv(index, op, st)
+        if not self.split:
+            with self.hooks.compute_op(op, rows):
+                torch.autograd.backward(self.outputs.pop(key), grad)
+            x = self.inputs.pop(key)
+            if not st.is_first:
+                self.send(x.grad, st.prev_rank, op, (st.rank - 1) // self.p_ranks, index)
+            return
+        # Split: B follows only the path to the input (autograd skips the weights'
+        # products) and keeps the graph for W, which walks it again to the weights and
+        # so redoes B's input-gradient products of all but the first layer; a per-layer
+        # dgrad/wgrad split (stashing each layer's output gradient) would not.
+        out, x = self.outputs.pop(key), self.inputs[key]
+        with self.hooks.compute_op(op, rows):
+            # the first stage's input is tokens: no gradient to compute or send
+            gx = None if st.is_first else torch.autograd.grad(
+                out, [x], grad, retain_graph=True)[0]
+        self.weight_work[key] = (out, grad)
+        if gx is not None:
+            self.send(gx, st.prev_rank, op, (st.rank - 1) // self.p_ranks, index)
+
+    def weight(self, index: int, op: Op, st: Stage) -> None:
+        key = (op.mb, op.chunk)
+        if key not in self.weight_work:
+            raise RuntimeError(f"op {op!r}: its backward B{op.mb} has not run on this rank")
+        out, grad = self.weight_work.pop(key)
+        self.inputs.pop(key)
+        params = [prm for prm in st.parameters() if prm.requires_grad]
+        with self.hooks.compute_op(op, self.xs[op.mb].shape[0]):
+            torch.autograd.backward(out, grad, inputs=params)  # frees the graph
+
+    # ---- messages
+    def source(self, op: Op) -> int | None:
         """The rank whose message op needs before it can run (None: no message)."""
-        st = chunks[op.chunk]
+        st = self.chunks[op.chunk]
         if op.kind == FORWARD and not st.is_first:
             return st.prev_rank
         if op.kind == BACKWARD and not st.is_last:
             return st.next_rank
         return None
 
-    def sends(op: Op) -> bool:
-        st = chunks[op.chunk]
+    def sends(self, op: Op) -> bool:
+        st = self.chunks[op.chunk]
         return op.kind == FORWARD and not st.is_last or op.kind == BACKWARD and not st.is_first
 
-    def post(index: int) -> None:
-        mail.post(index, source(ops[index]) if index < len(ops) else None)
+    def post(self, index: int) -> None:
+        self.mail.post(index, self.source(self.ops[index]) if index < len(self.ops) else None)
 
-    def recv(index: int, op: Op, st: Stage) -> torch.Tensor:
-        src = source(op)
+    def send(self, t: torch.Tensor, dst: int, op: Op, dst_chunk: int, index: int) -> None:
+        """Post op ``index``'s output with the next op's receive (see :class:`_Mailbox`)."""
+        t = t.detach().contiguous()
+        header = torch.tensor([_KIND_CODE[op.kind], op.mb, dst_chunk], device=self.device)
+        with self.hooks.message("send", dst, t, op.mb):
+            self.mail.send(header, t, dst)
+            self.post(index + 1)
+
+    def recv(self, index: int, op: Op, st: Stage) -> torch.Tensor:
+        src = self.source(op)
         assert src is not None
-        post(index)  # posted already (ahead, or with the last op's sends): nothing to do
-        header, buf, works = mail.take(index, op)
-        with hooks.message("recv", src, buf, op.mb):
+        self.post(index)  # posted already (ahead, or with the last op's sends): nothing to do
+        header, buf, works = self.mail.take(index, op)
+        with self.hooks.message("recv", src, buf, op.mb):
             for work in works:
                 work.wait()
-            check(header, src, op, st)
+            _check_header(header, src, op, st)
         return buf
 
-    def check(header: torch.Tensor, src: int, op: Op, st: Stage) -> None:
-        kind, mb, chunk = header.tolist()
-        if (kind, mb, chunk) != (_KIND_CODE[op.kind], op.mb, op.chunk):
-            sent = f"{_WHAT[FORWARD if kind == 0 else BACKWARD]} of microbatch {mb}"
-            me = dist.get_rank() if dist.is_initialized() else 0
-            raise RuntimeError(
-                f"rank {me} (stage {st.rank}) at op {op!r} expected the "
-                f"{_WHAT[op.kind]} of microbatch {op.mb} from rank {src}, but rank {src} "
-                f"sent the {sent}"
-                + (f" (for chunk {chunk})" if chunk or op.chunk else "")
-                + ": the two stages' schedules order the microbatches differently; "
-                "neighbouring stages must run their forwards (and backwards) in the "
-                "same microbatch order")
 
-    post(0)
-    for index, op in enumerate(ops):
-        if not sends(op):  # the next op's input travels while this op computes (NCCL would
-            post(index + 1)  # hold this op's sends behind it: with them, after it, if any)
-        i, st = op.mb, chunks[op.chunk]
-        key = (op.mb, op.chunk)
-        rows = xs[i].shape[0]
-        if op.kind == FORWARD:
-            x = xs[i].to(device) if st.is_first else recv(index, op, st).requires_grad_()
-            with hooks.compute_op(op, rows):
-                y = st(x)  # (b/m, s, h), logits (b/m, s, V) on the last stage
-                if st.is_last:
-                    y = loss_fn(y, ys[i].to(device)) / m
-            inputs[key], outputs[key] = x, y
-            if st.is_last:
-                loss_total += y.item()
-            else:
-                send(y, st.next_rank, op, (st.rank + 1) // p_ranks, index)
-        elif op.kind == BACKWARD:
-            if key not in outputs:
-                raise RuntimeError(f"op {op!r}: its forward has not run on this rank")
-            grad = None if st.is_last else recv(index, op, st)
-            if not split:
-                with hooks.compute_op(op, rows):
-                    torch.autograd.backward(outputs.pop(key), grad)
-                x = inputs.pop(key)
-                if not st.is_first:
-                    send(x.grad, st.prev_rank, op, (st.rank - 1) // p_ranks, index)
-                continue
-            # Split: B follows only the path to the input (autograd skips the weights'
-            # products) and keeps the graph for W, which walks it again to the weights and
-            # so redoes B's input-gradient products of all but the first layer; a per-layer
-            # dgrad/wgrad split (stashing each layer's output gradient) would not.
-            out, x = outputs.pop(key), inputs[key]
-            with hooks.compute_op(op, rows):
-                # the first stage's input is tokens: no gradient to compute or send
-                gx = None if st.is_first else torch.autograd.grad(
-                    out, [x], grad, retain_graph=True)[0]
-            weight_work[key] = (out, grad)
-            if gx is not None:
-                send(gx, st.prev_rank, op, (st.rank - 1) // p_ranks, index)
-        else:  # WEIGHT
-            if key not in weight_work:
-                raise RuntimeError(f"op {op!r}: its backward B{op.mb} has not run on this rank")
-            out, grad = weight_work.pop(key)
-            inputs.pop(key)
-            params = [prm for prm in st.parameters() if prm.requires_grad]
-            with hooks.compute_op(op, rows):
-                torch.autograd.backward(out, grad, inputs=params)  # frees the graph
-    mail.finish()
-    if outputs:
-        raise RuntimeError(f"schedule ended with (microbatch, chunk) {sorted(outputs)} never "
-                           f"run backward")
-    if weight_work:
-        raise RuntimeError(f"schedule ended with (microbatch, chunk) {sorted(weight_work)} "
-                           f"never run W (the weight gradients)")
-    return loss_total if last_here else None
+def _check_header(header: torch.Tensor, src: int, op: Op, st: Stage) -> None:
+    kind, mb, chunk = header.tolist()
+    if (kind, mb, chunk) != (_KIND_CODE[op.kind], op.mb, op.chunk):
+        sent = f"{_WHAT[FORWARD if kind == 0 else BACKWARD]} of microbatch {mb}"
+        me = dist.get_rank() if dist.is_initialized() else 0
+        raise RuntimeError(
+            f"rank {me} (stage {st.rank}) at op {op!r} expected the "
+            f"{_WHAT[op.kind]} of microbatch {op.mb} from rank {src}, but rank {src} "
+            f"sent the {sent}"
+            + (f" (for chunk {chunk})" if chunk or op.chunk else "")
+            + ": the two stages' schedules order the microbatches differently; "
+            "neighbouring stages must run their forwards (and backwards) in the "
+            "same microbatch order")
 
 
 __all__ = [
