@@ -3,6 +3,9 @@ torch.distributed.pipelining's own schedules."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import matplotlib
@@ -106,6 +109,40 @@ def test_lab_table_measured_from_the_run_predicted_from_cost():
         assert makespan(run.simulated) == pytest.approx(run.prediction.step)
     text = lab.format_lab_table(runs)
     assert "interleaved v=2" in text and "peak, stage-mb" in text
+
+
+def _chapter_lab_settings() -> tuple[int, int, int, str]:
+    """p, the lab's m and v as the pipeline chapter sets them, and the chapter's prose."""
+    path = Path(__file__).parents[2] / "notebooks/04_pipeline_parallel.ipynb"
+    cells = json.loads(path.read_text())["cells"]
+    code, text = ("\n".join("".join(c["source"]) for c in cells if c["cell_type"] == kind)
+                  for kind in ("code", "markdown"))
+    p = int(re.search(r"^p = (\d+)", code, re.M).group(1))
+    v, m = map(int, re.search(r"^V, M_LAB = (\d+), (\d+)", code, re.M).groups())
+    return p, m, v, text
+
+
+def test_chapter_lab_runs_where_gpipe_holds_more_than_1f1b():
+    # the lab's table, with simulated timelines in place of the ranks' (the peaks follow
+    # from the op lists either way): at m = p every schedule's peak reads p and the chapter
+    # could not show what 1F1B saves; at m > p GPipe's m exceeds 1F1B's p
+    p, m, v, text = _chapter_lab_settings()
+    runs = []
+    for name in lab.LAB_SCHEDULES:
+        vv = v if name == "interleaved" else 1
+        sim = simulate(name, p, m, v=vv, t_f=1.0, t_b=2.0,
+                       t_w=1.0 if name == "zb-h1" else None)
+        pred = lab.predict(name, p, m, 2 * m, COST, v=v)
+        runs.append(lab.LabRun(name, p, m, vv, sim, sim, [makespan(sim)], pred, "simulated"))
+    rows = {run.name: row for run, row in zip(runs, lab.lab_table(runs))}
+    peak = {name: row["peak_in_flight"] for name, row in rows.items()}
+    assert all(row["peak_in_flight_predicted"] == row["peak_in_flight"] for row in rows.values())
+    assert peak["gpipe"] == m > peak["1f1b"] == peak["zb-h1"] == p
+    # interleaved: section 6's 2(p-1) + (v-1)p + 1 chunk-microbatches, 1/v of a stage each
+    assert peak["interleaved"] == cost.in_flight_microbatches(p, m, v) / v
+    assert p < peak["interleaved"] < peak["gpipe"]
+    # the prose states these settings and the peaks they give
+    assert f"m = {m} microbatches" in text and f"p + (p-1)/v = {p + (p - 1) / v:g}" in text
 
 
 def _fake_runs():
