@@ -57,7 +57,8 @@ class Refused(Exception):
 
 
 def _case(name: str) -> dict[str, Any]:
-    """One case: tokens, a single-device MoE layer, its routing and its output."""
+    """One case: tokens, a single-device MoE layer, its routing and its output (built from
+    its seed alike on the rank and in the grader: the rank sends back only plain data)."""
     ep, factor = CASES[name]
     torch.manual_seed(SEED + list(CASES).index(name))
     cfg = ModelConfig(d_model=H, n_heads=1, n_experts=E, top_k=K, capacity_factor=factor,
@@ -134,7 +135,7 @@ def _sent_problem(case: dict[str, Any], rows: torch.Tensor, expert_of_row: torch
 def _report(fn: Callable, name: str) -> dict[str, Any]:
     case = _case(name)
     r, sent = case["routing"], []
-    report: dict[str, Any] = {"case": case}
+    report: dict[str, Any] = {}
     try:
         got = fn(case["x"].clone(), r.experts.clone(), r.weights.clone(), E, case["ep"],
                  case["capacity"], _exchange(case, sent))
@@ -173,7 +174,7 @@ def _unweighted(c: Case) -> bool:
     """The output is the sum of each token's expert outputs, router weights left out."""
     if _what(c) != "out":
         return False
-    case = c.report["case"]
+    case = _case(c.report["name"])
     r = case["routing"]
     with torch.no_grad():
         want = torch.zeros_like(case["x"])
@@ -188,7 +189,7 @@ def _is(kind: str) -> Callable[[Case], bool]:
 
 
 def _case_words(c: Case) -> str:
-    case = c.report["case"]
+    case = _case(c.report["name"])
     limit = ("no capacity limit" if case["capacity"] is None
              else f"capacity {case['capacity']} choices per expert")
     return f"ep = {case['ep']}, E = {E} experts, {TOKENS} tokens, top-{K}, {limit}"
@@ -203,12 +204,12 @@ DIAGNOSES = (
               "experts' ranks (exchange(rows, per_rank, per_expert)) and come back"),
     Diagnosis("counts_by_expert", _is("counts_by_expert"),
               lambda c: f"per_rank has one count per expert ({E}), not one per rank "
-              f"({c.report['case']['ep']}): the all-to-all sends to ranks, and rank r holds "
+              f"({_case(c.report['name'])['ep']}): the all-to-all sends to ranks, and rank r holds "
               "E/ep experts, so add the counts of each rank's experts: "
               "per_expert.view(ep, -1).sum(1)"),
     Diagnosis("count_lengths", _is("count_lengths"),
               lambda c: f"per_rank and per_expert have {_detail(c)} entries: give one "
-              f"count per rank (ep = {c.report['case']['ep']}) and one per expert ({E})"),
+              f"count per rank (ep = {_case(c.report['name'])['ep']}) and one per expert ({E})"),
     Diagnosis("counts_not_kept", _is("counts_sum"),
               lambda c: f"your counts add up to {_detail(c)}: count only the choices you "
               "send, the kept ones (after the capacity cut), each exactly once"),
