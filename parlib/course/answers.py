@@ -14,9 +14,10 @@ defined in the notebook as their source, recursively). The grader rebuilds it on
 ranks (:class:`LearnerFunction` execs the source when first called), never in its own
 process, and reads what the ranks send back as plain data only
 (:mod:`parlib.runtime.replies`: a rank running the learner's code may send anything; a
-pickle that would run code is refused, not unpickled). Limits: a closure over a non-literal value, a tensor or model defined in another
-cell, a lambda, or a class whose source Python cannot find is not carried over; the
-function then meets a ``NameError`` and the grader's message names what was missing.
+pickle that would run code is refused, not unpickled). Limits: a closure over a
+non-literal value, a tensor or model defined in another cell, a lambda, or a class whose
+source Python cannot find is not carried over; the function then meets a ``NameError``
+and the grader's message names what was missing.
 """
 
 from __future__ import annotations

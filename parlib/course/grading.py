@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from parlib.course.boot import CHANGED
 from parlib.course.check import LOG_ENV, MODE_ENV, recheck
 from parlib.course.ci_logs import chapter_of, read_log
 from parlib.course.registry import questions
@@ -56,6 +57,7 @@ from parlib.course.sandbox import (
     bwrap,
     course_digest,
     descendants,
+    grader_command,
     kill_descendants,
     kill_others_in_namespace,
     rows_done,
@@ -68,6 +70,8 @@ NOT_RUN = "not run"
 SANDBOXED = "each notebook was graded in its own bubblewrap sandbox"
 NOT_SANDBOXED = ("WARNING: graded WITHOUT a sandbox ({why}): a notebook could read or change "
                  "files of this user while it ran; see the README, 'For instructors'")
+COURSE_CHANGED = ("the grader's files changed on disk since the batch started (did a notebook "
+                  "edit them?): not graded")
 LOG_DELETED = ("the notebook deleted its check log, so none of its answers could be read: "
                "every question scores 0")
 
@@ -324,9 +328,9 @@ def _grade_one(path: Path, limits: Limits, sandbox: bool, digest: str) -> dict[s
         return _failed_report(path, "no such notebook (missing, or deleted before its turn)")
     with tempfile.TemporaryDirectory(prefix="parlib-grade-") as tmp:
         out, progress = Path(tmp) / "report.json", Path(tmp) / "progress.jsonl"
-        cmd = [sys.executable, "-m", "parlib.course.grading", "--one",
-               str(Path(path).resolve()), "--out", str(out), "--progress", str(progress),
-               "--timeout", repr(limits.cell), "--digest", digest]
+        cmd = grader_command(digest, [
+            "--one", str(Path(path).resolve()), "--out", str(out), "--progress",
+            str(progress), "--timeout", repr(limits.cell), "--digest", digest])
         if sandbox:
             cmd = sandboxed(cmd, Path(tmp), (Path(path).resolve().parent,))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -355,9 +359,10 @@ def _grade_one(path: Path, limits: Limits, sandbox: bool, digest: str) -> dict[s
                               sandbox)
         except (OSError, ValueError, KeyError, TypeError):
             how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            rep = _failed_report(path, f"the grader's process for this notebook died ({how}) "
-                                       f"before it reported: did the notebook kill it?",
-                                 time.monotonic() - t0)
+            why = (COURSE_CHANGED if code == CHANGED  # its bootstrap refused: see boot.py
+                   else f"the grader's process for this notebook died ({how}) before it "
+                        f"reported: did the notebook kill it?")
+            rep = _failed_report(path, why, time.monotonic() - t0)
             rep["sandboxed"] = sandbox
             return rep
 
@@ -392,9 +397,7 @@ def _one(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     if args.digest and course_digest() != args.digest:
-        rep = _failed_report(Path(args.one), "the grader's files changed on disk since the "
-                                             "batch started (did a notebook edit them?): "
-                                             "not graded")
+        rep = _failed_report(Path(args.one), COURSE_CHANGED)
     else:
         questions()  # the registry is loaded before any of the notebook's code runs
         signal_to_interrupt()
