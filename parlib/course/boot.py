@@ -3,10 +3,11 @@ the start of the batch.
 
 The batch grader reads this file once, when it starts, and runs each notebook's grader as
 ``python -I -B -S -c <this text> PATH COURSE DIGEST --one ...``: no user site, no ``.pth``
-file, no ``sitecustomize``, no ``PYTHON*`` variable, no bytecode written. :func:`boot` then
-reads every source file of the ``parlib`` package at ``COURSE`` into memory, refuses to go
-on (exit status :data:`CHANGED`) unless their :func:`snapshot` digest is the one the batch
-computed when it started, and imports ``parlib`` from that copy only: a ``.pyc`` in a
+file, no ``sitecustomize``, no ``PYTHON*`` variable, no bytecode written. :func:`boot`
+makes the process non-dumpable (:func:`refuse_tracing`), reads every source file of the
+``parlib`` package at ``COURSE`` into memory, refuses to go on (exit status
+:data:`CHANGED`) unless their :func:`snapshot` digest is the one the batch computed when
+it started, and imports ``parlib`` from that copy only: a ``.pyc`` in a
 ``__pycache__`` (even one stamped with its source's time and size) is never read, and a
 file changed afterwards (by the notebook the process goes on to run) is never imported.
 Without the sandbox a notebook runs with the instructor's rights and could still change the
@@ -82,8 +83,23 @@ class SnapshotFinder(importlib.abc.MetaPathFinder):
                                   name=fullname)
 
 
+def refuse_tracing() -> bool:
+    """Make this process non-dumpable (Linux): a process of the same user without
+    ``CAP_SYS_PTRACE`` (a rank running the learner's code, once the sandbox has dropped
+    every capability) can then neither attach to it nor write its memory through
+    ``/proc/PID/mem``. What it runs with ``exec`` (the kernel, the ranks) is dumpable again.
+    False where unsupported."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE
+    except (OSError, AttributeError):
+        return False
+
+
 def boot(argv: list[str]) -> None:
     """``argv``: ``[-c, PATH (JSON list), COURSE, DIGEST, *grading arguments]``."""
+    refuse_tracing()
     path, root, digest = json.loads(argv[1]), pathlib.Path(argv[2]), argv[3]
     sys.path[:] = [str(p) for p in path]
     found, files = snapshot(root)

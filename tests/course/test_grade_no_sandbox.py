@@ -183,3 +183,28 @@ def test_the_grader_process_never_reads_the_courses_bytecode(tmp_path):
     snap = subprocess.run([sys.executable, "-I", "-B", "-c", probe], capture_output=True,
                           text=True, timeout=120)
     assert snap.stdout.split() == ["False", str(source)], snap.stderr
+
+
+def test_the_bootstrap_runs_the_grading_module_from_its_snapshot_untraceable(tmp_path):
+    """A stand-in package whose grading module changes a module on disk, then imports it:
+    the import still gets the source of the snapshot."""
+    pkg = tmp_path / "standin"
+    (pkg / "course").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "course" / "__init__.py").write_text("")
+    late = pkg / "course" / "late.py"
+    late.write_text("VALUE = 'as snapshotted'\n")
+    (pkg / "course" / "grading.py").write_text(
+        "import ctypes, json, sys\n"
+        f"open({str(late)!r}, 'w').write('VALUE = 1')\n"
+        "import standin.course.late\n"
+        "dumpable = ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'dumpable': dumpable, "
+        "'late': standin.course.late.VALUE, 'flags': [sys.flags.isolated, "
+        "sys.flags.no_site, sys.flags.dont_write_bytecode]}))\n")
+    cmd = sandbox.grader_command(sandbox.course_digest(pkg), ["--one", "x"])
+    cmd[cmd.index(str(sandbox.COURSE))] = str(pkg)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    seen = json.loads(proc.stdout.splitlines()[0])
+    assert seen == {"argv": ["--one", "x"], "dumpable": 0, "late": "as snapshotted",
+                    "flags": [1, 1, 1]}, proc.stderr
