@@ -1,8 +1,10 @@
 """``python -m parlib grade NB [NB ...] [--json FILE]``: run notebooks headless and score them.
 
-Each notebook is graded in its own grader process (``--one``), inside its own bubblewrap
-sandbox where ``bwrap`` works (:mod:`parlib.course.sandbox`; ``--no-sandbox`` opts out, and
-the row and the summary say so), so a notebook that kills or wedges that process costs only
+Each notebook is graded in its own grader process (``--one``, started through
+:mod:`parlib.course.boot`: ``python -I -B -S``, the grader imported only from the sources
+the batch hashed when it started), inside its own bubblewrap sandbox where ``bwrap`` works
+(:mod:`parlib.course.sandbox`; ``--no-sandbox`` opts out, and the row and the summary say
+so), so a notebook that kills or wedges that process costs only
 its own row. There it runs top to bottom in a fresh kernel (the current environment's
 ``python3`` kernel) with ``PARLIB_CHECK_LOG`` pointing at a temporary file and
 ``PARLIB_CHECK_MODE`` unset. The notebook only *collects* answers: every ``parlib.check``
