@@ -241,9 +241,11 @@ def grader_command(digest: str, args: list[str]) -> list[str]:
     ``.pth``, no ``sitecustomize``, no bytecode written) running :mod:`parlib.course.boot`,
     which imports the grader only from the sources whose digest is ``digest``, never their
     bytecode; ``args`` are the grading module's."""
-    user_site = os.path.join(os.path.expanduser("~"), ".local")  # -I: no user site
-    path = [str(COURSE.parent)] + [p for p in sys.path if p and p != str(COURSE.parent)
-                                   and not p.startswith(user_site)]
+    import site
+
+    user_site = site.getusersitepackages()  # -I: no user site
+    path = [str(COURSE.parent)] + [os.path.abspath(p) for p in sys.path
+                                   if p and p not in (str(COURSE.parent), user_site)]
     return [sys.executable, "-I", "-B", "-S", "-c", BOOT_SOURCE, json.dumps(path),
             str(COURSE), digest, *args]
 
