@@ -12,9 +12,12 @@ names it uses are bound to in the notebook (modules as imports, importable funct
 classes as ``from m import x``, literal constants as literals, functions and classes
 defined in the notebook as their source, recursively). The grader rebuilds it only on the
 ranks (:class:`LearnerFunction` execs the source when first called), never in its own
-process. Limits: a closure over a non-literal value, a tensor or model defined in another
-cell, a lambda, or a class whose source Python cannot find is not carried over; the
-function then meets a ``NameError`` and the grader's message names what was missing.
+process, and reads what the ranks send back as plain data only
+(:mod:`parlib.runtime.replies`: a rank running the learner's code may send anything; a
+pickle that would run code is refused, not unpickled). Limits: a closure over a
+non-literal value, a tensor or model defined in another cell, a lambda, or a class whose
+source Python cannot find is not carried over; the function then meets a ``NameError``
+and the grader's message names what was missing.
 """
 
 from __future__ import annotations
@@ -30,21 +33,13 @@ import linecache
 import textwrap
 from typing import Any
 
+from parlib.runtime.replies import Opaque  # what a rank's plain reply may hold too
+
 _MAX_ITEMS = 64  # list items / tensor values kept (enough for every message the checks give)
 _MAX_STR = 20_000
 _MAX_INT_BITS = 4000 * 3  # under 4300 decimal digits: sys.get_int_max_str_digits()
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64",
            "uint8", "bool")
-
-
-class Opaque:
-    """An answer the grader only needs the type name of (``you gave a Foo``)."""
-
-    def __init__(self, type_name: str) -> None:
-        self.type_name = type_name
-
-    def __repr__(self) -> str:
-        return f"<{self.type_name}>"
 
 
 def type_name(x: Any) -> str:
@@ -375,7 +370,8 @@ def no_process_exit() -> Any:
 class LearnerFunction:
     """A learner's function rebuilt from its source bundle on first call (on a rank).
 
-    Pickles as its source, so the grader's process never runs the learner's code."""
+    Pickles as its source, so the grader's process never runs the learner's code; what the
+    ranks return comes back as plain data (``parlib.launch(..., plain_replies=True)``)."""
 
     def __init__(self, payload: dict[str, Any]) -> None:
         self.__name__ = str(payload.get("name") or "learner_function")

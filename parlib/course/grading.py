@@ -1,8 +1,10 @@
 """``python -m parlib grade NB [NB ...] [--json FILE]``: run notebooks headless and score them.
 
-Each notebook is graded in its own grader process (``--one``), inside its own bubblewrap
-sandbox where ``bwrap`` works (:mod:`parlib.course.sandbox`; ``--no-sandbox`` opts out, and
-the row and the summary say so), so a notebook that kills or wedges that process costs only
+Each notebook is graded in its own grader process (``--one``, started through
+:mod:`parlib.course.boot`: ``python -I -B -S``, the grader imported only from the sources
+the batch hashed when it started), inside its own bubblewrap sandbox where ``bwrap`` works
+(:mod:`parlib.course.sandbox`; ``--no-sandbox`` opts out, and the row and the summary say
+so), so a notebook that kills or wedges that process costs only
 its own row. There it runs top to bottom in a fresh kernel (the current environment's
 ``python3`` kernel) with ``PARLIB_CHECK_LOG`` pointing at a temporary file and
 ``PARLIB_CHECK_MODE`` unset. The notebook only *collects* answers: every ``parlib.check``
@@ -49,6 +51,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from parlib.course.boot import CHANGED
 from parlib.course.channel import Channel, Output
 from parlib.course.check import LOG_ENV, MODE_ENV, recheck
 from parlib.course.ci_logs import chapter_of, read_log
@@ -61,6 +64,7 @@ from parlib.course.sandbox import (
     bwrap,
     course_digest,
     descendants,
+    grader_command,
     kill_descendants,
     kill_others_in_namespace,
     sandboxed,
@@ -72,6 +76,8 @@ NOT_RUN = "not run"
 SANDBOXED = "each notebook was graded in its own bubblewrap sandbox"
 NOT_SANDBOXED = ("WARNING: graded WITHOUT a sandbox ({why}): a notebook could read or change "
                  "files of this user while it ran; see the README, 'For instructors'")
+COURSE_CHANGED = ("the grader's files changed on disk since the batch started (did a notebook "
+                  "edit them?): not graded")
 LOG_DELETED = ("the notebook deleted its check log, so none of its answers could be read: "
                "every question scores 0")
 TEXT_LIMIT = 2000  # characters of any message, error or output in a row
@@ -368,9 +374,9 @@ def _grade_one(path: Path, limits: Limits, sandbox: bool, digest: str) -> dict[s
         return _failed_report(path, "no such notebook (missing, or deleted before its turn)")
     with tempfile.TemporaryDirectory(prefix="parlib-grade-") as tmp, \
             Channel.pipe() as channel, Output.pipe() as output:
-        cmd = [sys.executable, "-m", "parlib.course.grading", "--one",
-               str(Path(path).resolve()), "--channel", str(channel.write_fd),
-               "--timeout", repr(limits.cell), "--digest", digest]
+        cmd = grader_command(digest, [
+            "--one", str(Path(path).resolve()), "--channel", str(channel.write_fd),
+            "--timeout", repr(limits.cell), "--digest", digest])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(COURSE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(
                 os.pathsep) if p])}
@@ -412,8 +418,9 @@ def _row_of(path: Path, code: int, channel: Channel, stopped: tuple[str, str | N
                           output)
     except (ValueError, KeyError, TypeError, AttributeError):
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        error = (f"the grader's process for this notebook died ({how}) before it reported: "
-                 f"did the notebook kill it?")
+        error = (COURSE_CHANGED if code == CHANGED  # its bootstrap refused: see boot.py
+                 else f"the grader's process for this notebook died ({how}) before it "
+                      f"reported: did the notebook kill it?")
         rep = _failed_report(path, error, seconds)
         rep.update(sandboxed=sandbox, output=cap(output, keep_end=True))
         return rep
@@ -452,9 +459,7 @@ def _one(argv: list[str]) -> int:
     not_dumpable()
     with os.fdopen(args.channel, "w", encoding="utf-8") as channel:
         if args.digest and course_digest() != args.digest:
-            rep = _failed_report(Path(args.one), "the grader's files changed on disk since "
-                                                 "the batch started (did a notebook edit "
-                                                 "them?): not graded")
+            rep = _failed_report(Path(args.one), COURSE_CHANGED)
         else:
             questions()  # the registry is loaded before any of the notebook's code runs
             signal_to_interrupt()

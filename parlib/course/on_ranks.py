@@ -1,11 +1,14 @@
 """Running a learner's function on ranks for a check: what a rank's failure means.
 
 A question's grader launches the learner's function with ``parlib.launch`` and the
-question's timeout. When a rank fails, :func:`verdict_from_rank_error` reads the
-:class:`RankError` (by its ``exc_type`` and traceback) and turns it into a verdict: a stub
-(``NotImplementedError``) is "not attempted", a hang is a failure with a hint, a
-:class:`CheckFailed` raised on a rank is that failure, anything else is the learner's
-error with their own frames.
+question's timeout, reading what the ranks send back as plain data only
+(``plain_replies=True``: the learner's code runs on the ranks and could change how they
+reply; nothing they send is run in the grader). When a rank fails,
+:func:`verdict_from_rank_error` reads the :class:`RankError` (by its ``exc_type`` and
+traceback) and turns it into a verdict: a stub (``NotImplementedError``) is "not
+attempted", a hang is a failure with a hint, a :class:`CheckFailed` raised on a rank is
+that failure, a reply that is not plain data is a failure saying so, anything else is the
+learner's error with their own frames.
 
 :class:`RankExercise` is the question type "implement this on ranks": the probe that runs
 the learner's function on each rank, the worlds it runs on, the single-device reference,
@@ -48,6 +51,8 @@ def verdict_from_rank_error(err: RankError, timeout: float | None,
             f"matching recv used tensors of different sizes (see the rank's message above): "
             f"check which chunk each rank sends and receives at each step"
         )
+    if exc_type == "UnreadableReply":  # the learner's code changed how its rank replies
+        return CheckFailed(str(err).split("UnreadableReply: ", 1)[-1].splitlines()[0])
     if exc_type in ("CheckFailed",):
         last = remote.strip().splitlines()[-1] if remote.strip() else str(err)
         return CheckFailed(last.split(": ", 1)[-1])
@@ -217,7 +222,7 @@ class RankExercise(Implementation):
 
         try:
             return launch(self.probe, fn, *world.args, world_size=world.size,
-                          backend=self.backend, timeout=current_timeout())
+                          backend=self.backend, timeout=current_timeout(), plain_replies=True)
         except RankError as err:
             named = self.rank_error(err, world, fn) if self.rank_error is not None else None
             if named is not None:

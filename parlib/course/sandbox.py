@@ -14,7 +14,7 @@ after each notebook's row.
 from __future__ import annotations
 
 import functools
-import hashlib
+import json
 import os
 import shutil
 import signal
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from parlib.course import boot
+from parlib.course.boot import snapshot
 from parlib.course.channel import Channel, Output
 from parlib.course.registry import questions
 
@@ -277,15 +279,28 @@ def kill_others_in_namespace() -> None:
 
 
 def course_digest(root: Path = COURSE) -> str:
-    """sha256 over the grader's own Python files (the question modules among them)."""
-    h = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode() + b"\0")
-        try:
-            h.update(f.read_bytes())
-        except OSError:
-            h.update(b"<unreadable>")
-    return h.hexdigest()
+    """sha256 over the grader's own Python files (the question modules among them): what
+    a grader process started by :func:`grader_command` imports, and all it imports of them."""
+    return snapshot(root)[0]
+
+
+# The text of the grader process's bootstrap, read once, when the batch grader starts: a
+# notebook graded without the sandbox may change the file afterwards.
+BOOT_SOURCE = Path(boot.__file__).read_text(encoding="utf-8")
+
+
+def grader_command(digest: str, args: list[str]) -> list[str]:
+    """The command of a notebook's grader process: ``python -I -B -S`` (no user site, no
+    ``.pth``, no ``sitecustomize``, no bytecode written) running :mod:`parlib.course.boot`,
+    which imports the grader only from the sources whose digest is ``digest``, never their
+    bytecode; ``args`` are the grading module's."""
+    import site
+
+    user_site = site.getusersitepackages()  # -I: no user site
+    path = [str(COURSE.parent)] + [os.path.abspath(p) for p in sys.path
+                                   if p and p not in (str(COURSE.parent), user_site)]
+    return [sys.executable, "-I", "-B", "-S", "-c", BOOT_SOURCE, json.dumps(path),
+            str(COURSE), digest, *args]
 
 
 @dataclass
@@ -340,6 +355,7 @@ def stop(proc: subprocess.Popen, gently: bool = False) -> None:
             continue
 
 
-__all__ = ["ENV_ALLOWED", "ENV_SET", "SANDBOX_ENV", "Limits", "become_subreaper", "bwrap",
-           "course_digest", "descendants", "hidden_folders", "kill_descendants",
-           "kill_others_in_namespace", "question_limit", "sandboxed", "stop", "watch"]
+__all__ = ["BOOT_SOURCE", "ENV_ALLOWED", "ENV_SET", "SANDBOX_ENV", "Limits",
+           "become_subreaper", "bwrap", "course_digest", "descendants", "grader_command",
+           "hidden_folders", "kill_descendants", "kill_others_in_namespace",
+           "question_limit", "sandboxed", "stop", "watch"]

@@ -81,9 +81,13 @@ class RankGroup(Stopping):
         backend: str | None = None,
         timeout: float = 60.0,
         env: dict[str, str] | None = None,
+        plain_replies: bool = False,
     ) -> None:
         validate_sizes(world_size, timeout)
         self.world_size = world_size
+        # read every reply as plain data (parlib.runtime.replies), never running anything a
+        # rank sends: for ranks that run code nobody vouches for (the course's checks)
+        self.plain_replies = bool(plain_replies)
         self.plan = plan(world_size, backend)
         self.timeout = float(timeout)
         self.env = dict(env or {})
@@ -187,6 +191,7 @@ class RankGroup(Stopping):
             "stack_path": os.path.join(self._tmp, f"stack{rank}.txt"),
             "pg_timeout": PG_TIMEOUT_S, "env": rank_env, "cwd": os.getcwd(),
             "sys_path": list(sys.path), "threads": threads,
+            "plain_replies": self.plain_replies,
         }
 
     def close(self) -> None:
@@ -269,6 +274,8 @@ class RankGroup(Stopping):
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit if math.isfinite(limit) else math.inf
         results = self._collect(kind="ok", deadline=deadline)
+        if self.plain_replies:
+            return [self._plain_value(rank, data) for rank, data in enumerate(results)]
         values = []
         for rank, data in enumerate(results):
             try:
@@ -357,7 +364,19 @@ class RankGroup(Stopping):
             self.kill()
         raise failure_error(errors, self._code_index, still, stopped, broken, self.warm)
 
+    def _plain_value(self, rank: int, data: Any) -> Any:
+        from parlib.runtime.replies import NotPlainData, plain_loads
+
+        try:
+            return plain_loads(data)
+        except NotPlainData as exc:
+            raise RankError(f"rank {rank} failed: UnreadableReply: {unreadable(rank, exc)}",
+                            rank=rank, exc_type="UnreadableReply", kept=True) from None
+
     def _read_reply(self, rank: int, kind: str, replies: dict, errors: list) -> None:
+        if self.plain_replies:
+            self._read_plain_reply(rank, kind, replies, errors)
+            return
         try:
             status, data = self.ctrls[rank].recv()
         except (EOFError, OSError):
@@ -367,11 +386,66 @@ class RankGroup(Stopping):
         elif status == kind:
             replies[rank] = data
 
+    def _read_plain_reply(self, rank: int, kind: str, replies: dict, errors: list) -> None:
+        """:meth:`_read_reply` of a plain group: the message itself is read as plain data, an
+        error report rebuilt from its plain fields; an unreadable one is that rank's error
+        (its channel is out of step: the group cannot be kept)."""
+        from parlib.runtime.replies import MAX_REPLY_BYTES, NotPlainData, plain_loads
+
+        try:
+            raw = self.ctrls[rank].recv_bytes(MAX_REPLY_BYTES)
+        except EOFError:
+            return  # the sentinel reports the death
+        except OSError as exc:
+            raw, why = None, f"its reply could not be read ({exc}; over {MAX_REPLY_BYTES} B?)"
+        try:
+            if raw is not None:
+                status, data = plain_loads(raw)
+                if status == kind == "ok" and type(data) is not bytes:
+                    raise NotPlainData(f"its result is a {type(data).__name__}, not a pickle")
+                if status == "error":
+                    errors.append(plain_report(data, rank))
+                elif status == kind:
+                    replies[rank] = data
+                return
+        except (NotPlainData, TypeError, ValueError) as exc:
+            why = unreadable(rank, exc)
+        errors.append({"rank": rank, "exc_type": "UnreadableReply", "message": why,
+                       "frames": [], "time": time.time(), "echo": False,
+                       "in_collective": True})
+
     def __enter__(self) -> RankGroup:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def unreadable(rank: int, exc: Exception) -> str:
+    """What a rank whose reply is not plain data is told."""
+    return (f"what rank {rank} sent back is not plain data ({exc}): only numbers, strings, "
+            f"bytes, lists, tuples, dicts, sets and tensors are read back from these ranks, "
+            f"and nothing a rank sends is run")
+
+
+def plain_report(data: Any, rank: int) -> dict[str, Any]:
+    """A rank's error report rebuilt from its plain fields, each of the type the launcher
+    reads (the rank is the one it came from, whatever it says), long texts cut."""
+    data = data if type(data) is dict else {}
+
+    def text(key: str, cap: int) -> str:
+        value = data.get(key)
+        return value[:cap] if type(value) is str else ""
+
+    frames = [tuple(f) for f in (data.get("frames") if type(data.get("frames")) is list
+                                 else [])[-200:]
+              if type(f) in (tuple, list) and len(f) == 4
+              and [type(x) for x in f] == [str, int, str, str]]
+    when = data.get("time")
+    return {"rank": rank, "exc_type": text("exc_type", 200) or "Exception",
+            "message": text("message", 20_000), "frames": frames,
+            "time": when if type(when) is float and math.isfinite(when) else time.time(),
+            "echo": data.get("echo") is True, "in_collective": data.get("in_collective") is True}
 
 
 def launch(
@@ -381,19 +455,25 @@ def launch(
     backend: str | None = None,
     timeout: float = 60.0,
     env: dict[str, str] | None = None,
+    plain_replies: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results by rank.
 
     Raises ``RankError`` naming the root-cause rank when any rank fails, dies or does not
     finish within ``timeout`` seconds (``float("inf")``: no limit); every rank process is
-    gone by then.
+    gone by then. ``plain_replies``: read what the ranks send back as plain data only
+    (numbers, strings, bytes, lists, tuples, dicts, sets, tensors; anything else is the
+    rank's ``RankError``), never running anything a rank sends, as the course's checks do
+    (their ranks run the learner's code); otherwise results travel by cloudpickle and may
+    be any object.
     """
     __tracebackhide__ = True
     if not callable(fn):
         raise ValueError(f"fn must be callable (a function to run on every rank), got {fn!r}")
     validate_sizes(world_size, timeout)
-    group = RankGroup(world_size, backend=backend, timeout=timeout, env=env)
+    group = RankGroup(world_size, backend=backend, timeout=timeout, env=env,
+                      plain_replies=plain_replies)
     try:
         group.start()
         return group.run(fn, args, kwargs)

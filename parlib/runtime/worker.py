@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from parlib.comm import quiet_renames
 from parlib.runtime.procs import live_parents
+from parlib.runtime.replies import plain_dumps
 
 # Messages in a rank's error report that are echoes of another rank's failure: a peer that
 # vanished or broke off. The launcher prefers any other failure as the root cause.
@@ -236,19 +237,19 @@ def rank_main(spec: dict[str, Any], ctrl: Any, out_w: Any, err_w: Any,
         if message[0] == "exit":
             break
         try:
-            _run_task(message[1], rank, ctrl)
+            _run_task(message[1], rank, ctrl, spec.get("plain_replies", False))
         except KeyboardInterrupt:  # landed between the learner's code and the report
             ctrl.send(("error", error_report(KeyboardInterrupt(), rank)))
     _finish()
 
 
-def _run_task(payload: bytes, rank: int, ctrl: Any) -> None:
+def _run_task(payload: bytes, rank: int, ctrl: Any, plain: bool = False) -> None:
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
         _Interrupt.running = True
         result = fn(*args, **kwargs)
         _Interrupt.running = False
-        data = _dump_result(result)
+        data = _dump_result(result, plain)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the notebook
         _Interrupt.running = False
         report = getattr(exc, "parlib_report", None) or error_report(exc, rank)
@@ -260,14 +261,15 @@ def _run_task(payload: bytes, rank: int, ctrl: Any) -> None:
     ctrl.send(("ok", data))
 
 
-def _dump_result(result: Any) -> bytes:
+def _dump_result(result: Any, plain: bool = False) -> bytes:
     try:
-        return cloudpickle.dumps(result)
+        return plain_dumps(result) if plain else cloudpickle.dumps(result)
     except BaseException as exc:  # noqa: BLE001
         report = error_report(exc, -1)
+        what = "as plain data" if plain else "to send it back to the notebook"
         report["message"] = (
-            f"the return value (a {type(result).__name__}) cannot be pickled to send it back "
-            f"to the notebook: {safe_str(exc)}. Return plain numbers, lists, dicts or tensors."
+            f"the return value (a {type(result).__name__}) cannot be pickled {what}: "
+            f"{safe_str(exc)}. Return plain numbers, lists, dicts or tensors."
         )
         report["exc_type"] = "PicklingError"
         wrapped = RuntimeError(report["message"])

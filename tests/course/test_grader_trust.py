@@ -307,3 +307,41 @@ def test_solution_functions_pass_when_rebuilt_from_source(qid):
     assert not payload.get("error") and not payload["missing"], payload
     r = recheck(get_question(qid), json.loads(json.dumps(payload)), timeout=120)
     assert r.passed, r
+
+
+# --------------------------------------------------------------------------- rank replies
+
+# A function answer that, on its rank, makes what the rank sends back a pickle that runs code
+# where it is read: its result pickler swapped ("result"), or a message of its own on the
+# rank's reply channel ("channel"). Read by cloudpickle/pickle in the grader, it ran there.
+REPLY_ATTACK = '''
+def my_ring(t):
+    import pickle, sys
+    import cloudpickle
+    import parlib.runtime.worker as worker
+
+    class Exploit:
+        def __reduce__(self):
+            return (exec, ("open(%(path)r, 'w').write('ran in the grader')",))
+
+    if %(how)r == "result":
+        worker._dump_result = lambda *args: pickle.dumps(Exploit())
+        cloudpickle.dumps = lambda *args, **kwargs: pickle.dumps(Exploit())
+    else:
+        frame = sys._getframe()
+        while "ctrl" not in frame.f_locals:
+            frame = frame.f_back
+        frame.f_locals["ctrl"].send(Exploit())
+    return t.clone()
+'''
+
+
+@pytest.mark.parametrize("how", ["result", "channel"])
+def test_a_rank_reply_never_runs_code_in_the_grader(tmp_path, how):
+    planted = tmp_path / "pwned"
+    payload = {"__kind__": "function", "name": "my_ring", "missing": {},
+               "code": REPLY_ATTACK % {"path": str(planted), "how": how}}
+    r = recheck(get_question("00.ring_all_reduce"), payload, timeout=60)
+    assert not planted.exists(), "a rank's reply ran code in the grader's process"
+    assert r.status == "failed" and r.score == 0, r
+    assert "not plain data" in r.message and "builtins.exec" in r.message, r.message

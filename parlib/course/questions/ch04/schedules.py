@@ -121,8 +121,10 @@ def _validated(fn: Callable, p: int, m: int) -> tuple[dict[int, list], dict[str,
     try:
         validate(sched, p, m)
     except ScheduleError as err:
+        # plain data only: the report goes back from a rank (the microbatch, not the Op)
         return sched, {"problem": err.problem, "message": str(err), "rank": err.rank,
-                       "op": err.op, "between_ranks": _between_ranks(sched, err)}
+                       "op_mb": None if err.op is None else err.op.mb,
+                       "between_ranks": _between_ranks(sched, err)}
     return sched, None
 
 
@@ -232,8 +234,8 @@ def _says(c: Case) -> str:
 
 
 def _beyond_m(c: Case) -> bool:
-    op = c.report.get("op")
-    return c.report["problem"] == "unknown" and op is not None and op.mb >= c.report["m"]
+    mb = c.report.get("op_mb")
+    return c.report["problem"] == "unknown" and mb is not None and mb >= c.report["m"]
 
 
 def _group_hint(name: str) -> Callable[[Case], str]:

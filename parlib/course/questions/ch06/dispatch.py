@@ -62,7 +62,8 @@ class Refused(Exception):
 
 
 def _case(name: str) -> dict[str, Any]:
-    """One case: tokens, a single-device MoE layer, its routing and its output."""
+    """One case: tokens, a single-device MoE layer, its routing and its output (built from
+    its seed alike on the rank and in the grader: the rank sends back only plain data)."""
     ep, factor = CASES[name]
     torch.manual_seed(SEED + list(CASES).index(name))
     cfg = ModelConfig(d_model=H, n_heads=1, n_experts=E, top_k=K, capacity_factor=factor,
@@ -145,7 +146,7 @@ def _sent_problem(case: dict[str, Any], rows: torch.Tensor, expert_of_row: torch
 def _report(fn: Callable, name: str) -> dict[str, Any]:
     case = _case(name)
     r, sent = case["routing"], []
-    report: dict[str, Any] = {"case": case}
+    report: dict[str, Any] = {}
     try:
         got = fn(case["x"].clone(), r.experts.clone(), r.weights.clone(), E, case["ep"],
                  case["capacity"], _exchange(case, sent))
@@ -200,7 +201,7 @@ def _combined(case: dict[str, Any], weights: torch.Tensor) -> torch.Tensor:
 
 def _output_is(make: Callable[[dict[str, Any]], torch.Tensor]) -> Callable[[Case], bool]:
     """A predicate: the learner's (wrong) output is ``make(case)``."""
-    return lambda c: _what(c) == "out" and close(c.report["out"], make(c.report["case"]))
+    return lambda c: _what(c) == "out" and close(c.report["out"], make(_case(c.report["name"])))
 
 
 def renormalised(weights: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -219,11 +220,12 @@ _dropped_passed_through = _output_is(lambda case: case["out"] + case["x"] * (
 
 def _idle(c: Case) -> list[int]:
     """The experts no token of this case picks."""
-    return sorted(set(range(E)) - set(c.report["case"]["routing"].experts.reshape(-1).tolist()))
+    picked = _case(c.report["name"])["routing"].experts.reshape(-1).tolist()
+    return sorted(set(range(E)) - set(picked))
 
 
 def _all_dropped(c: Case) -> str:
-    lost = torch.nonzero(~c.report["case"]["routing"].keep.any(1)).reshape(-1).tolist()
+    lost = torch.nonzero(~_case(c.report["name"])["routing"].keep.any(1)).reshape(-1).tolist()
     return (f"tokens {lost} lost every choice at capacity, and your output gives them x: "
             f"such a token gets 0 from the layer (no expert computed it). The block's "
             f"residual, x + moe(x), passes it through; adding x here counts it twice")
@@ -234,7 +236,7 @@ def _is(kind: str) -> Callable[[Case], bool]:
 
 
 def _case_words(c: Case) -> str:
-    case = c.report["case"]
+    case = _case(c.report["name"])
     limit = ("no capacity limit" if case["capacity"] is None
              else f"capacity {case['capacity']} choices per expert")
     return f"ep = {case['ep']}, E = {E} experts, {TOKENS} tokens, top-{K}, {limit}"
@@ -249,12 +251,12 @@ DIAGNOSES = (
               "experts' ranks (exchange(rows, per_rank, per_expert)) and come back"),
     Diagnosis("counts_by_expert", _is("counts_by_expert"),
               lambda c: f"per_rank has one count per expert ({E}), not one per rank "
-              f"({c.report['case']['ep']}): the all-to-all sends to ranks, and rank r holds "
+              f"({_case(c.report['name'])['ep']}): the all-to-all sends to ranks, and rank r holds "
               "E/ep experts, so add the counts of each rank's experts: "
               "per_expert.view(ep, -1).sum(1)"),
     Diagnosis("count_lengths", _is("count_lengths"),
               lambda c: f"per_rank and per_expert have {_detail(c)} entries: give one "
-              f"count per rank (ep = {c.report['case']['ep']}) and one per expert ({E})"),
+              f"count per rank (ep = {_case(c.report['name'])['ep']}) and one per expert ({E})"),
     Diagnosis("counts_not_kept", _is("counts_sum"),
               lambda c: f"your counts add up to {_detail(c)}: count only the choices you "
               "send, the kept ones (after the capacity cut), each exactly once"),
