@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from parlib.cost.checkpoint import checkpoint_bytes, young_daly_interval
+from parlib.cost.checkpoint import checkpoint_bytes, reshard_reads, young_daly_interval
 from parlib.course.check import check
 from parlib.course.questions.ch09 import RESHARD_SOLUTION, TOKEN_LOSS_SOLUTION
 from parlib.course.questions.ch09.reshard import CASES
@@ -233,3 +233,15 @@ def test_stubs_are_not_attempted():
     stub = ("def reshard_plan(numel, saved_world_size, world_size, rank):\n"
             "    raise NotImplementedError\n")
     assert _grade("09.reshard_reads", stub, "reshard_plan").status == "not attempted"
+
+
+@pytest.mark.parametrize("mutant", ["floor_split", "array_split"])
+def test_the_other_splits_part_from_chunks_only_on_uneven_sizes(mutant):
+    """Right whenever the sizes divide (the first case), so only the uneven ones catch them."""
+    fn = learner(RESHARD_MUTANTS[mutant][0], "reshard_plan")
+    numel, saved, world = CASES["even"]
+    assert numel % saved == 0 == numel % world
+    assert all(fn(numel, saved, world, r) == reshard_reads(numel, saved, world, r)
+               for r in range(world))
+    assert any(fn(*CASES[name], r) != reshard_reads(*CASES[name], r)
+               for name in CASES for r in range(CASES[name][2]))
