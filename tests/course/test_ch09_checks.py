@@ -16,7 +16,8 @@ from tests.helpers.learner_code import learner
 
 pytestmark = pytest.mark.usefixtures("clean_checks")
 
-ALL_IDS = {"09.checkpoint_bytes", "09.young_daly", "09.reshard_reads", "09.global_token_loss"}
+ALL_IDS = {"09.checkpoint_bytes", "09.young_daly", "09.adam_step", "09.reshard_reads",
+           "09.global_token_loss"}
 
 
 def _mutant(source: str, old: str, new: str) -> str:
@@ -245,3 +246,42 @@ def test_the_other_splits_part_from_chunks_only_on_uneven_sizes(mutant):
                for r in range(world))
     assert any(fn(*CASES[name], r) != reshard_reads(*CASES[name], r)
                for name in CASES for r in range(CASES[name][2]))
+
+
+# --------------------------------------------------------------------------- Adam's step
+
+
+def test_adam_step():
+    import parlib.course.questions.ch09  # noqa: F401
+
+    assert check("09.adam_step", "a").passed
+    for wrong, hint in (("B", "the moments are in the checkpoint"),
+                        ("C", "also feeds its bias correction"),
+                        ("D", "it is in the denominator")):
+        r = check("09.adam_step", wrong)
+        assert r.status == "failed" and hint in r.message, r.message
+
+
+def test_adam_step_key_is_the_optimizers_own_behaviour():
+    """torch's Adam with its step count reset on warm moments steps shorter, by the factor
+    the working computes (sqrt(1 - beta2^t) / (1 - beta1^t)), than with its count kept."""
+    import torch
+
+    from parlib.course.questions.ch09.numbers import resumed_update_scale
+
+    def update(step: int) -> torch.Tensor:
+        w = torch.zeros(3, requires_grad=True)
+        opt = torch.optim.Adam([w], lr=1.0, eps=0.0)
+        w.grad = torch.tensor([1.0, -2.0, 0.5])
+        opt.step()  # creates the state; then make the moments warm and set the count
+        state = opt.state[w]
+        state["exp_avg"].copy_(torch.tensor([0.3, -0.4, 0.1]))
+        state["exp_avg_sq"].copy_(torch.tensor([0.2, 0.5, 0.05]))
+        state["step"].fill_(step - 1)
+        before = w.detach().clone()
+        opt.step()
+        return w.detach() - before
+
+    ratio = update(1) / update(10_000)
+    assert torch.allclose(ratio, torch.full((3,), resumed_update_scale(1)), rtol=1e-3)
+    assert resumed_update_scale(1) < 0.5  # several times smaller, not larger

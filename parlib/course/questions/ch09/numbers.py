@@ -1,5 +1,6 @@
-"""The long-runs chapter's numbers: the bytes one rank writes to a checkpoint, and how often
-to write one (Young's interval, from a save time and a failure rate)."""
+"""The long-runs chapter's numbers and choices: the bytes one rank writes to a checkpoint, how
+often to write one (Young's interval, from a save time and a failure rate), and what a resume
+that forgets Adam's step count does to the next updates."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 from parlib.cost.checkpoint import checkpoint_bytes, young_daly_interval
 from parlib.course.on_ranks import factor_mistakes
-from parlib.course.question_types import Numeric
+from parlib.course.question_types import Choice, Numeric
 from parlib.course.registry import register
 
 # --------------------------------------------------------------------------- bytes per rank
@@ -109,4 +110,61 @@ register(Numeric(
                 "square root of 2 delta M"),
 ))
 
-__all__: list[str] = []
+# --------------------------------------------------------------------------- Adam's step
+
+
+def resumed_update_scale(t: int, beta1: float = 0.9, beta2: float = 0.999) -> float:
+    """How much smaller (< 1) Adam's update is, t steps after its step count restarted at 0
+    on warm moments, than the update of a run whose count is large: Adam divides m by
+    1 - beta1^t and v by 1 - beta2^t (under a square root)."""
+    return math.sqrt(1 - beta2**t) / (1 - beta1**t)
+
+
+_SCALES = {t: resumed_update_scale(t) for t in (1, 10, 100, 1000, 5000)}
+ADAM_STEP_OPTIONS = {
+    "A": "Adam's bias correction starts over on moments that are already warm: the updates "
+         "come out several times smaller than those of the uninterrupted run, for "
+         "thousands of steps.",
+    "B": "The moments start over as well: the first update is a step of the learning rate "
+         "in the gradient's sign, as at the start of training.",
+    "C": "Nothing changes: the step count only feeds the learning-rate schedule, and the "
+         "rate here is constant.",
+    "D": "The bias correction divides the warm moments by small numbers again, so the "
+         "updates come out several times larger than those of the uninterrupted run, for "
+         "thousands of steps.",
+}
+
+register(Choice(
+    "09.adam_step",
+    "A",
+    options=ADAM_STEP_OPTIONS,
+    prompt="""
+        A run trained with Adam (beta1 = 0.9, beta2 = 0.999, a constant learning rate) for
+        a week is resumed from a checkpoint that holds the weights, both of Adam's moments
+        and the data position, but not Adam's step count: the optimizer counts from 0
+        again. What happens to the updates after the resume? Give one letter.
+    """,
+    working=f"""
+        Adam's step count is not only a counter: its update is lr x m_hat / sqrt(v_hat),
+        with m_hat = m / (1 - beta1^t) and v_hat = v / (1 - beta2^t), the bias correction
+        for moments that start at zero. After a week t is large and both corrections are 1.
+        Restarted at t = 1 on moments that are already warm, the update is scaled by
+        sqrt(1 - beta2^t) / (1 - beta1^t): {_SCALES[1]:.2f} at t = 1, {_SCALES[10]:.2f} at
+        t = 10, {_SCALES[100]:.2f} at t = 100, {_SCALES[1000]:.2f} at t = 1000 and
+        {_SCALES[5000]:.2f} at t = 5000. The v correction (beta2 = 0.999) is the larger and
+        lasts longer: **A**, updates several times smaller for thousands of steps. The
+        resumed run is not the run that never stopped; torch's Adam keeps the count in its
+        state ("step"), and a checkpoint saves it with the moments.
+    """,
+    hints={
+        "B": "the moments are in the checkpoint and are loaded; only the step count starts "
+             "over",
+        "C": "Adam's step count also feeds its bias correction, inside the optimizer: it "
+             "divides the moments by 1 - beta^t",
+        "D": "both moments are divided: m by 1 - beta1^t and v by 1 - beta2^t under a "
+             "square root; with beta2 = 0.999 the second correction is the larger, and "
+             "it is in the denominator",
+    },
+))
+
+__all__ = ["ADAM_STEP_OPTIONS", "resumed_update_scale"]
