@@ -134,6 +134,10 @@ RESHARD_MUTANTS = {
     "stop_inclusive": (_reshard("reads.append((saved, max(lo, start), min(hi, stop)))",
                                 "reads.append((saved, max(lo, start), min(hi, stop) - 1))"),
                        "each non-empty overlap", "wrong_reads"),
+    "calls_parlib": ("def reshard_plan(numel, saved_world_size, world_size, rank):\n"
+                     "    from parlib.cost import reshard_reads\n"
+                     "    return reshard_reads(numel, saved_world_size, world_size, rank)\n",
+                     "work out the overlaps yourself", "parlib_reshard_reads"),
 }
 
 
@@ -226,6 +230,13 @@ def test_every_diagnosis_has_a_wrong_answer_that_reaches_it(qid, mutants):
     reached = {diagnosis for _, _, diagnosis in mutants.values()}
     declared = set(questions("09")[qid].diagnosis_names()) - {"hang"}
     assert reached == declared
+
+
+def test_parlibs_own_map_is_refused():
+    import parlib.course.questions.ch09  # noqa: F401
+
+    r = check("09.reshard_reads", reshard_reads)
+    assert r.status == "failed" and "reshard_reads itself" in r.message, r.message
 
 
 def test_stubs_are_not_attempted():

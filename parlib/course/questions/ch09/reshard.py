@@ -6,6 +6,8 @@ not divide each other (short and empty last pieces included)."""
 
 from __future__ import annotations
 
+import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -160,11 +162,42 @@ DIAGNOSES = (
 )
 
 
+def _names(fn: Callable) -> set[str]:
+    """The global and attribute names a function's code (nested functions included) uses."""
+    found: set[str] = set()
+    stack = [getattr(fn, "__code__", None)]
+    while stack:
+        code = stack.pop()
+        if code is not None:
+            found |= set(code.co_names)
+            stack += [c for c in code.co_consts if hasattr(c, "co_names")]
+    return found
+
+
+def _refuse_parlibs_map(fn: Callable) -> tuple[str, str] | None:
+    """The answer is parlib's own map, or calls it: the check would compare it with itself."""
+    if fn is reshard_reads:
+        return ("parlib_reshard_reads", "that is parlib.cost.reshard_reads itself, the map the "
+                "check compares with: write your own")
+    code = getattr(fn, "code", None)
+    if code is None:
+        try:
+            code = inspect.getsource(fn)
+        except (OSError, TypeError):
+            code = ""
+    if re.search(r"\breshard_reads\s*\(", code) or "reshard_reads" in _names(fn):
+        return ("parlib_reshard_reads", "your function calls parlib.cost.reshard_reads, the "
+                "map the check compares with: work out the overlaps yourself")
+    return None
+
+
 QUESTION = register(CaseExercise(
     "09.reshard_reads",
     cases=CASES,
     report=_report,
     where=lambda case: "",
+    refuse=_refuse_parlibs_map,
+    refusals=["parlib_reshard_reads"],
     diagnoses=DIAGNOSES,
     solution=RESHARD_SOLUTION,
     prompt="""
