@@ -6,7 +6,7 @@ and the README's table are checked against this list (``tests/test_chapters.py``
 names a chapter by :attr:`Chapter.name` ("the pipeline chapter"), never by its number, so
 that a chapter added later cannot make a sentence point at the wrong one.
 
-A chapter is listed once it exists; every chapter of the final order, 00 to 08, now does.
+A chapter is listed once it exists; every chapter of the final order, 00 to 09, now does.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ CHAPTERS: tuple[Chapter, ...] = (
             "the expert-parallel chapter"),
     Chapter("07", "combining", "combining", "Combining the axes", "the combining chapter"),
     Chapter("08", "choosing", "choosing", "Choosing a layout", "the choosing chapter"),
+    Chapter("09", "long_runs", "long_runs", "Long runs", "the long-runs chapter"),
 )
 
 

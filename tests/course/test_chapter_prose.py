@@ -1,7 +1,8 @@
-"""The prose of the tensor-parallel, combining and choosing chapters quotes only numbers the
-run prints or computes, or that are stated inputs: every number in a markdown cell appears
-as a token of the notebook's code (an input the run uses, so the run prints what follows
-from it), or is listed below with the computation that gives it, or is a citation. Stated
+"""The prose of the tensor-parallel, combining, choosing and long-runs chapters quotes only
+numbers the run prints or computes, or that are stated inputs: every number in a markdown
+cell appears as a token of the notebook's code (an input the run uses, so the run prints
+what follows from it), or is listed below with the computation that gives it, or is a
+citation. Stated
 expectations are worded as such ("expect", "should") and the run's own figure is printed
 next to them. Also: what the issue behind this guard found stale stays gone."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[2]
-NOTEBOOKS = ("03_tensor_parallel", "07_combining", "08_choosing")
+NOTEBOOKS = ("03_tensor_parallel", "07_combining", "08_choosing", "09_long_runs")
 _NUMBER = re.compile(r"(?<![\w.^/-])\d+(?:,\d{3})*(?:\.\d+)?")
 _CITATION = re.compile(r"et al\.,? (19|20)\d\d|\b(19|20)\d\d\b(?=[,)]| \()")
 
@@ -33,7 +34,7 @@ def _prose(text: str) -> str:
 def _stated() -> dict[str, dict[str, float]]:
     """Numbers the prose states, each with the computation (from the course's own
     definitions) that gives it."""
-    from parlib.cost import Hardware, Model
+    from parlib.cost import Hardware, Model, checkpoint_bytes
     from parlib.cost.published import RUNS
     from parlib.model import ModelConfig
 
@@ -56,6 +57,8 @@ def _stated() -> dict[str, dict[str, float]]:
             "8,192": 8192 if llama else None,
             "16,384": 16384 if llama else None,
         },
+        # bytes a parameter of a mixed-precision Adam checkpoint (bf16 and fp32 weights, moments)
+        "09_long_runs": {"14": checkpoint_bytes(1, mixed_precision=True).total},
     }
 
 
