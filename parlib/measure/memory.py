@@ -121,7 +121,6 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
-@dataclass
 class GatheredWeights:
     """Bytes of full weights a :class:`parlib.FSDP` holds, observed from outside through
     its gather hook (the strategy itself keeps no count): ``now``, what is held at this
@@ -160,6 +159,7 @@ class GatheredWeights:
         self._handle.remove()
 
 
+@dataclass
 class MemoryReport:
     """Bytes one rank holds, by kind. ``cuda_peak`` is ``torch.cuda.max_memory_allocated``
     over the measured step (``None`` on the CPU)."""

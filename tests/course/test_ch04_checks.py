@@ -502,12 +502,12 @@ def test_part_two_prose_matches_the_formulas():
     from parlib.strategies.schedules import all_ranks, peaks
 
     text = " ".join(" ".join(_notebook_sources("markdown")).split())
-    # section 11: p = 4, m = 4, v = 2
-    assert cost.bubble_fraction(4, 4) == 3 / 7 and cost.bubble_fraction(4, 4, 2) == 3 / 11
-    assert "(p-1)/(m+p-1) = 3/7 to (p-1)/(v m+p-1) = 3/11" in text
-    sent = (cost.messages_per_rank("interleaved", 4, 4, 2)[1],
-            cost.messages_per_rank("1f1b", 4, 4)[1])
-    assert sent == (16, 8) and "2 v m = 16 messages per step instead of 2m = 8" in text
+    # section 11: p = 4, m = 8, v = 2 (the lab's m > p)
+    assert cost.bubble_fraction(4, 8) == 3 / 11 and cost.bubble_fraction(4, 8, 2) == 3 / 19
+    assert "(p-1)/(m+p-1) = 3/11 to (p-1)/(v m+p-1) = 3/19" in text
+    sent = (cost.messages_per_rank("interleaved", 4, 8, 2)[1],
+            cost.messages_per_rank("1f1b", 4, 8)[1])
+    assert sent == (32, 16) and "2 v m = 32 messages per step instead of 2m = 16" in text
     assert cost.critical_path_messages("interleaved", 4, 4, 2) == 2 * (4 * 2 - 1)
     # section 12: ZB-H1 holds p on every rank, 1F1B's first-rank peak
     assert set(peaks(all_ranks("zb-h1", 4, 4)).values()) == {4}
