@@ -27,6 +27,7 @@ import parlib
 from parlib import measure
 from parlib.comm import quiet_renames
 from parlib.cost.experts import ep_all_to_all_bytes_per_layer, load_imbalance
+from parlib.experiments.experts import RoutingRecorder
 from parlib.measure.tables import fmt_bytes
 from parlib.model import ModelConfig, MoE
 from parlib.strategies.experts import ExpertParallelMoE
@@ -87,11 +88,13 @@ def _race(cfg, tokens, repeats):
     x = torch.randn(tokens, cfg.d_model, generator=gen).requires_grad_()
     g = torch.randn(tokens, cfg.d_model, generator=gen)
     _check(cfg, x, g)
+    seen = RoutingRecorder(ep_layer)  # the routing, observed from outside
     with measure.CommLog() as log:
         _fwd_bwd(ep_layer, x, g)
+    seen.remove()
     records = [r for r in log.records if r.op == "all_to_all"]
     token_bytes = sum(r.nbytes for r in records[1:])  # the first: the counts
-    dropped = int((~ep_layer.last_routing.keep).sum())
+    dropped = int((~seen.last.keep).sum())
     formula = ep_all_to_all_bytes_per_layer(tokens, cfg.d_model, cfg.top_k, dropped=dropped)
     computed = records[2].nbytes // (cfg.d_model * 4)  # the combine: the rows computed here
     row = {}

@@ -33,6 +33,7 @@ from parlib.measure import CommLog
 from parlib.model import (
     ModelConfig,
     MoE,
+    Routing,
     build_model,
     loss_fn,
     make_batch,
@@ -51,6 +52,30 @@ from parlib.strategies.experts import (
 )
 from parlib.verify import compare
 
+
+class RoutingRecorder:
+    """The routing an MoE layer (:class:`parlib.model.MoE` or
+    :class:`~parlib.strategies.experts.ExpertParallelMoE`) used on its last forward,
+    observed from outside: a forward pre-hook routes the same tokens with the layer's own
+    router (routing is deterministic), so the strategy keeps no record of its own.
+
+        seen = RoutingRecorder(layer)
+        layer(x)
+        seen.last.keep      # (T, k): which choices fitted under the capacity
+    """
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.last: Routing | None = None
+        self._handle = layer.register_forward_pre_hook(self._route)
+
+    def _route(self, layer: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        tokens = args[0].detach().reshape(-1, args[0].shape[-1])
+        with torch.no_grad():
+            self.last = route(tokens, layer.router, layer.top_k, layer.capacity_factor)
+
+    def remove(self) -> None:
+        """Stop observing."""
+        self._handle.remove()
 
 def _group(group: Any) -> Any:
     return dist.group.WORLD if group is None else group
@@ -93,12 +118,13 @@ def layer_traffic(cfg: ModelConfig, tokens: int = 32,
         want = single(want_x)
         want.backward(d_out)
         layer = ExpertParallelMoE(_layer(cfg, factor, seed), group).to(dev)
+        seen = RoutingRecorder(layer)
         got_x = x.clone().requires_grad_()
         with CommLog() as log:
             got = layer(got_x)
             n_forward = len(log.records)
             got.backward(d_out)
-        r = layer.last_routing
+        r = seen.last
         records = [(rec.op, rec.nbytes) for rec in log.records]
         out[factor] = {
             "check": compare({"output": got, "d_input": got_x.grad},
@@ -224,5 +250,5 @@ def router_balance(cfg: ModelConfig, *, steps: int = 300, aux_weight: float = 0.
     return seen
 
 
-__all__ = ["dense_moe_output", "emulated_step", "grouped_moe_output", "layer_tokens",
-           "layer_traffic", "router_balance", "train_expert_parallel"]
+__all__ = ["RoutingRecorder", "dense_moe_output", "emulated_step", "grouped_moe_output",
+           "layer_tokens", "layer_traffic", "router_balance", "train_expert_parallel"]

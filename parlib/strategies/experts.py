@@ -109,13 +109,13 @@ class ExpertParallelMoE(nn.Module):
         self.top_k, self.capacity_factor = moe.top_k, moe.capacity_factor
         self.router = moe.router
         self.experts = nn.ModuleDict({str(e): moe.experts[e] for e in self.mine})
-        self.aux_loss: torch.Tensor | None = None
-        self.last_routing: Routing | None = None
+        self.aux_loss: torch.Tensor | None = None  # for the loss; the routing itself is
+        # observed from outside (parlib.experiments.experts.RoutingRecorder)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])  # this rank's (T, h)
         r = route(tokens, self.router, self.top_k, self.capacity_factor)
-        self.aux_loss, self.last_routing = r.aux_loss, r
+        self.aux_loss = r.aux_loss
         plan = dispatch_plan(r, self.n_experts, self.ep)
         # what every rank sends me, per local expert: (ep, E/ep) counts, sender-major
         incoming = torch.empty_like(plan["per_expert"])

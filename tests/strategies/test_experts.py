@@ -20,6 +20,7 @@ from parlib.cost.experts import (
     ep_count_bytes_per_layer,
     tokens_dropped,
 )
+from parlib.experiments.experts import RoutingRecorder
 from parlib.measure import CommLog
 from parlib.model import (
     ModelConfig,
@@ -188,6 +189,7 @@ def _layer_vs_single(capacity_factor):
     want_routing = route(want_x[rank].detach(), moe.router, moe.top_k, capacity_factor)
     want = {n: p.grad.clone() for n, p in moe.named_parameters()}
     ep_moe = ExpertParallelMoE(_moe(capacity_factor), group)
+    seen = RoutingRecorder(ep_moe)  # observed from outside: the strategy keeps no record
     x, g = _tokens(rank)
     x.requires_grad_()
     with CommLog() as log:
@@ -198,7 +200,8 @@ def _layer_vs_single(capacity_factor):
     got = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
            for n, p in ep_moe.named_parameters()}
     dist.all_reduce(got["router.weight"])  # each rank's router saw only its own tokens
-    routing = ep_moe.last_routing
+    routing = seen.last
+    assert not hasattr(ep_moe, "last_routing")
     same_routing = (torch.equal(routing.experts, want_routing.experts)
                     and torch.equal(routing.keep, want_routing.keep))
     return {"out": compare([out, x.grad], [outs[rank], want_x[rank].grad]),
