@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from parlib.course import grading, sandbox
+from parlib.course import grading
 from parlib.course.check import answer_payload, check, recheck
 from parlib.course.registry import get_question, questions
-from tests.helpers.notebooks import notebook
+from tests.helpers.notebooks import need_bwrap, notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "1234.5"  # the lingering process's argument, to find it afterwards
@@ -28,14 +28,6 @@ MARK = "1234.5"  # the lingering process's argument, to find it afterwards
 def _lingering() -> list[str]:
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if f"sleep {MARK}" in line]
-
-
-def _need_bwrap() -> None:
-    if sandbox.bwrap() is None:
-        message = "bwrap (bubblewrap) is missing or cannot make namespaces here"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; CI must run the sandboxed grader (.ci/run installs it)")
-        pytest.skip(message)
 
 
 # --------------------------------------------------------------------------- fast: what counts
@@ -158,7 +150,7 @@ with open(os.environ["PARLIB_CHECK_LOG"], "a") as f:  # a forged line for anothe
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory):
-    _need_bwrap()
+    need_bwrap()
     d = tmp_path_factory.mktemp("hostile")
     out = d / "scores.json"
     nxt = d / "00_next.ipynb"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from parlib.course import grading, sandbox
-from tests.helpers.notebooks import notebook
+from tests.helpers.notebooks import need_bwrap, notebook
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -116,14 +116,6 @@ raise RuntimeError("@@FOUND@@" + json.dumps(found) + "@@END@@" + TITLE + "x" * 1
 '''
 
 
-def _need_bwrap() -> None:
-    if sandbox.bwrap() is None:
-        message = "bwrap (bubblewrap) is missing or cannot make namespaces here"
-        if os.environ.get("CI"):
-            pytest.fail(message + "; CI must run the sandboxed grader (.ci/run installs it)")
-        pytest.skip(message)
-
-
 def _listen(path: Path) -> socket.socket:
     s = socket.socket(socket.AF_UNIX)
     s.bind(str(path))
@@ -133,7 +125,7 @@ def _listen(path: Path) -> socket.socket:
 
 @pytest.fixture(scope="module")
 def escape(tmp_path_factory):
-    _need_bwrap()
+    need_bwrap()
     d = tmp_path_factory.mktemp("escape")
     outside = Path(tempfile.mkdtemp(prefix="parlib-escape-", dir="/var/tmp"))  # not /tmp
     tmpdir, runtime = outside / "tmp", outside / "run-user"
