@@ -121,6 +121,7 @@ from parlib.cost.layout import Layout
 from parlib.cost.memory import (
     MEMORY_BOUND_BACKWARD_PER_FORWARD,
     activation_bytes_per_layer,
+    gradient_cast_bytes_per_param,
     logits_bytes,
     loss_bytes_per_token,
     memory_bound_bytes_per_layer,
@@ -262,7 +263,7 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
              sequence_parallel: bool = True, mixed_precision: bool = True,
              dp_overlap: bool = True, replicated_head: bool = False,
              extra_recompute_flops_per_token: float = 0.0,
-             grad_reduce_bytes: int | None = None) -> Estimate:
+             grad_reduce_bytes: int | None = None, fused_attention: bool = False) -> Estimate:
     """Predict one layout, e.g. ``Layout(dp=8, tp=8)`` (a mapping of axis sizes is taken as
     one): m microbatches per step per data-parallel rank, ``global_batch`` sequences per
     step, v model chunks per pipeline rank (v > 1: the interleaved schedule).
@@ -287,6 +288,9 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     ``grad_reduce_bytes``: bytes per gradient element the data-parallel sync sends (None:
     the gradients' own, 2 in mixed precision, 4 in fp32; 4 for an fp32 reduction of bf16
     gradients, as FSDP2's ``reduce_dtype=torch.float32``).
+    ``fused_attention=True``: attention runs as one fused kernel (FlashAttention) whatever
+    ``recompute`` says, so no layer stores or streams its s x s scores; by default only
+    "selective" (and context parallelism's blockwise attention) keeps them on chip.
     Raises ValueError naming the problem for a layout that cannot exist.
     """
     check_inputs(model, hardware)
@@ -308,10 +312,12 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     if grad_reduce_bytes is not None and grad_reduce_bytes not in (2, 4):
         raise ValueError(f"grad_reduce_bytes must be None, 2 (bf16/fp16) or 4 (fp32), got "
                          f"{grad_reduce_bytes!r}")
+    if not isinstance(fused_attention, bool):
+        raise ValueError(f"fused_attention must be True or False, got {fused_attention!r}")
     est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                     sequence_parallel, mixed_precision, dp_overlap,
                     replicated_head=replicated_head, extra_recompute_flops_per_token=extra,
-                    grad_reduce_bytes=grad_reduce_bytes)
+                    grad_reduce_bytes=grad_reduce_bytes, fused_attention=fused_attention)
     est.reason = est.describe()
     return est
 
@@ -392,6 +398,7 @@ class _Step:
     spans: dict[str, int]
     links: dict[str, Any]
     rings: dict[str, Any]
+    fused_attention: bool = False
 
     @property
     def full(self) -> bool:
@@ -408,13 +415,20 @@ class _Step:
         return ("forward", "backward") + (("forward",) if self.full else ())
 
     @property
+    def scores_stored(self) -> bool:
+        """Whether attention writes its s x s scores to memory: not with a fused kernel
+        (``fused_attention``, "selective", or context parallelism's blockwise attention)."""
+        return (self.layout.cp == 1 and self.recompute != "selective"
+                and not self.fused_attention)
+
+    @property
     def split_sequence(self) -> bool:
         return self.sequence_parallel and self.layout.tp > 1
 
 
 def _step(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
           global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
-          mixed_precision: bool) -> _Step:
+          mixed_precision: bool, fused_attention: bool = False) -> _Step:
     d, t, c = layout.dp, layout.tp, layout.cp
     spans = _spans(layout)
     # ring collectives (TP's all-reduces, the gradient sync over d x c) share a node's NICs
@@ -425,7 +439,8 @@ def _step(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                  per_stage=_stage_layers(model.n_layers, layout.pp, v), spans=spans,
                  links={k: hardware.link_for(span) for k, span in spans.items()},
                  rings={"tp": hardware.ring_link(spans["tp"], t),
-                        "sync": hardware.ring_link(sync_span, d * c)})
+                        "sync": hardware.ring_link(sync_span, d * c)},
+                 fused_attention=fused_attention)
 
 
 def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
@@ -433,20 +448,23 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               mixed_precision: bool, dp_overlap: bool = True,
               only_if_fits: bool = False, replicated_head: bool = False,
               extra_recompute_flops_per_token: float = 0.0,
-              grad_reduce_bytes: int | None = None) -> Estimate | None:
+              grad_reduce_bytes: int | None = None,
+              fused_attention: bool = False) -> Estimate | None:
     """The estimate, inputs already checked (the planner calls this directly, with
     ``only_if_fits``: None, before any time is worked out, when the memory does not fit).
     One helper per part, in the order of a step: memory, compute, memory-bound work and
     the optimizer step, then each axis' communication (tp, cp, ep, pp, dp)."""
     step = _step(model, hardware, layout, m, v, global_batch, zero, recompute,
-                 sequence_parallel, mixed_precision)
+                 sequence_parallel, mixed_precision, fused_attention)
     total, stage, params_per_device, experts_per_device, memory = _memory(step,
                                                                           replicated_head)
     if only_if_fits and total > hardware.memory_bytes:
         return None
     model_flops, hardware_flops = _flops(step, extra_recompute_flops_per_token)
     compute, stage_compute = _compute(step, hardware_flops, replicated_head)
-    memory_bound = _memory_bound(step)
+    memory_bound = _memory_bound(step) + _gradient_cast(step, params_per_device
+                                                        + experts_per_device,
+                                                        grad_reduce_bytes)
     optimizer_step = _optimizer_step(step, memory)
     tp_comm, tp_bytes = _tensor_parallel(step)
     cp_total, cp_hidden, cp_bytes = _context_parallel(step)
@@ -528,8 +546,8 @@ def _activations(step: _Step) -> tuple[float, float, float]:
     recomputation) and of the logits, for one microbatch on one device."""
     model, t, c = step.model, step.layout.tp, step.layout.cp
     mode = {False: "none", "selective": "selective", True: "full"}[step.recompute]
-    if c > 1 and mode == "none":
-        mode = "selective"  # blockwise attention stores no scores
+    if not step.scores_stored and mode == "none":
+        mode = "selective"  # fused or blockwise attention stores no scores
     shape = dict(t=t, sequence_parallel=step.split_sequence, dtype_bytes=step.act_bytes,
                  dropout=model.dropout, ffn_dim=model.activation_ffn_dim,
                  kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
@@ -540,7 +558,7 @@ def _activations(step: _Step) -> tuple[float, float, float]:
     working = 0.0
     if step.full:  # the layer being recomputed holds its whole activations during backward
         working = activation_bytes_per_layer(
-            *args, **shape, **({"recompute": "selective"} if c > 1 else {}))
+            *args, **shape, **({} if step.scores_stored else {"recompute": "selective"}))
     logits = logits_bytes(step.s_local, step.b, model.vocab_size, t=t,
                           dtype_bytes=step.act_bytes)
     return per_layer, working, logits
@@ -619,13 +637,28 @@ def _memory_bound(step: _Step) -> float:
         step.s_local, step.b, model.d_model, model.n_heads, t=step.layout.tp,
         sequence_parallel=step.split_sequence, dtype_bytes=step.act_bytes,
         ffn_dim=model.activation_ffn_dim, gated_mlp=model.gated_mlp, dropout=model.dropout,
-        scores_stored=step.layout.cp == 1 and step.recompute != "selective")
+        scores_stored=step.scores_stored)
     forwards = 1 + (1 if step.full else 0)
     tokens = step.global_batch * model.seq_len
     loss = (tokens * loss_bytes_per_token(model.vocab_size, dtype_bytes=step.act_bytes)
             / step.hardware.n_devices)
     return ((step.m * step.slowest * moved * (forwards + MEMORY_BOUND_BACKWARD_PER_FORWARD)
              + loss) / step.hardware.achievable_memory_bandwidth)
+
+
+def _gradient_cast(step: _Step, unsharded_params: float, grad_reduce_bytes: int | None
+                   ) -> float:
+    """Seconds of casting the gradients to a wider dtype before they are reduced
+    (:func:`~parlib.cost.memory.gradient_cast_bytes_per_param`): every gradient element the
+    rank computes (its stage's weights, unsharded), before each reduction: every microbatch
+    with ZeRO-2 and ZeRO-3 (each reduce-scatters per microbatch), once a step otherwise."""
+    grad_bytes = step.act_bytes
+    if grad_reduce_bytes is None or grad_reduce_bytes <= grad_bytes:
+        return 0.0
+    reductions = step.m if step.zero >= 2 else 1
+    moved = reductions * unsharded_params * gradient_cast_bytes_per_param(grad_bytes,
+                                                                         grad_reduce_bytes)
+    return moved / step.hardware.achievable_memory_bandwidth
 
 
 def _optimizer_step(step: _Step, memory: dict[str, float]) -> float:

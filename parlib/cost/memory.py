@@ -167,6 +167,17 @@ def optimizer_step_bytes_per_param(mixed_precision: bool = False) -> int:
     return reads + per["optimizer"] + per["params"]
 
 
+def gradient_cast_bytes_per_param(grad_bytes: int, reduce_bytes: int) -> int:
+    """Bytes a rank reads and writes per gradient element to reduce its gradients in a wider
+    dtype than the backward made them in: PyTorch's FSDP casts the unsharded bf16 gradient
+    to ``reduce_dtype`` before the reduce-scatter (FSDP1's post-backward hook,
+    ``flat_param.grad.to(reduce_dtype)``; FSDP2's ``foreach_reduce``): read ``grad_bytes``,
+    write ``reduce_bytes``, 6 bytes for bf16 to fp32. 0 when the reduction keeps the
+    gradients' dtype (nothing is cast)."""
+    _require_at_least_one(grad_bytes=grad_bytes, reduce_bytes=reduce_bytes)
+    return grad_bytes + reduce_bytes if reduce_bytes > grad_bytes else 0
+
+
 def memory_bound_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_heads: int,
                                  *, t: int = 1, sequence_parallel: bool = False,
                                  dtype_bytes: int = 2, ffn_dim: int | None = None,
@@ -229,7 +240,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
 
 
 __all__ = ["MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES", "activation_bytes_per_layer",
-           "memory_bound_bytes_per_layer", "adam_bytes_per_param", "logits_bytes",
+           "memory_bound_bytes_per_layer", "gradient_cast_bytes_per_param",
+           "adam_bytes_per_param", "logits_bytes",
            "loss_bytes_per_token", "optimizer_step_bytes_per_param",
            "model_activation_bytes",
            "model_state_bytes", "model_state_bytes_by_kind", "model_state_bytes_per_param",

@@ -293,7 +293,9 @@ def _titan_row(size: str, layers: int, hidden: int, heads: int, ffn: int, recomp
     # torchtitan's MFU (at that commit) counts 6 x all parameters, the embedding's included,
     # which multiply nothing; the same WPS with our FLOPs per token is the comparable figure.
     ours = wps * model.flops_per_token / hardware.peak_flops
-    settings = dict(m=1, global_batch=64, zero=3, recompute=recompute, grad_reduce_bytes=4)
+    # torchtitan's attention is scaled_dot_product_attention's fused (Flash) kernel
+    settings = dict(m=1, global_batch=64, zero=3, recompute=recompute, grad_reduce_bytes=4,
+                    fused_attention=True)
     policy = f"{checkpointing} checkpointing as recompute={recompute!r}"
     if checkpointing == "selective op":
         settings["extra_recompute_flops_per_token"] = torchtitan_op_policy_flops_per_token(model)
@@ -345,7 +347,8 @@ def _mosaic_row(size: str, layers: int, hidden: int, heads: int, gpus: int, micr
         layout=Layout(dp=gpus),
         # without checkpointing, the fused (Triton) attention still stores no scores: "selective"
         settings=dict(m=accum, global_batch=batch, zero=3,
-                      recompute=True if checkpointing else "selective"),
+                      recompute=True if checkpointing else "selective",
+                      fused_attention=True),
         metric="mfu", reported=ours, reported_tflops_per_device=None,
         reported_tokens_per_second_per_device=tokens_per_gpu,
         assumed=("FSDP FULL_SHARD as ZeRO-3, gradients reduced in bf16 (Composer's 'DEFAULT' "
