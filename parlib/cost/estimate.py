@@ -27,14 +27,18 @@ What the model assumes, in one place:
   each, E / e experts batched; the output layer (rows, h, V / t). Bigger microbatches or
   less tensor parallelism make bigger matmuls that run nearer the best rate.
 - Memory-bound operations (norms, residual adds, the MLP's activation, dropout, and the
-  softmax over stored attention scores) are charged their bytes over the achievable memory
-  bandwidth (:func:`~parlib.cost.memory.memory_bound_bytes_per_layer`, backward twice the
+  softmax over stored attention scores; none with a fused kernel: "selective",
+  ``fused_attention`` or context parallelism) are charged their bytes over the achievable
+  memory bandwidth (:func:`~parlib.cost.memory.memory_bound_bytes_per_layer`, backward twice the
   forward's bytes, full recomputation one more forward), and so is the unfused
   cross-entropy over the logits (:func:`~parlib.cost.memory.loss_bytes_per_token`, spread
   evenly as the output layer's FLOPs are): the step part ``memory_bound``, beside
   ``compute`` (which counts only FLOPs). Adam's update reads and writes the optimizer state
   a rank holds once a step, after the sync
   (:func:`~parlib.cost.memory.optimizer_step_bytes_per_param`): the part ``optimizer``.
+  Reducing bf16 gradients in fp32 (``grad_reduce_bytes=4``) first casts every gradient
+  element the rank computed, before each reduction (every microbatch with ZeRO-2 and
+  ZeRO-3): :func:`~parlib.cost.memory.gradient_cast_bytes_per_param`, in ``memory_bound``.
   Hardware without a memory bandwidth charges nothing for either.
 - Tensor parallelism: 2 all-reduces of (b, s, h) per layer forward, 2 backward (one more
   forward's worth with full recomputation), on the critical path. Sequence parallelism

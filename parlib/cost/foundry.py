@@ -98,8 +98,9 @@ def mpt(size: str) -> Model:
 def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens_per_gpu: int,
                 checkpointing: bool, generation: str) -> PublishedRun:
     """One table row as a :class:`PublishedRun`: FSDP FULL_SHARD as ZeRO-3 over all GPUs,
-    activation checkpointing as full recomputation and none as "selective" (the fused
-    attention stores no scores), MFU recomputed from T/s/GPU with our FLOPs per token.
+    activation checkpointing as full recomputation and none as "selective", attention fused
+    either way (``fused_attention``: the README says "our models use Flash Attention", so no
+    row streams s x s scores), MFU recomputed from T/s/GPU with our FLOPs per token.
     The A100 table's "PURE" bf16 reduces gradients in bf16; the H100 table's "DEFAULT"
     reduces them in fp32 (``grad_reduce_bytes=4``). A global batch that is not micro x
     accum x GPUs (Composer's microbatching splits unevenly) is rounded to m = accum
@@ -122,7 +123,8 @@ def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens
         metric="mfu", reported=ours, reported_tflops_per_device=None,
         reported_tokens_per_second_per_device=tokens_per_gpu,
         assumed=("FSDP FULL_SHARD as ZeRO-3 (a layer a unit); AC as full recomputation, "
-                 "none as 'selective'; MFU recomputed from T/s/GPU with our FLOP count"),
+                 "none as 'selective'; Flash attention in both; MFU recomputed from T/s/GPU "
+                 "with our FLOP count"),
         cannot_know="MosaicML's cluster beyond the table's title; its software versions",
         reported_params=round(model.n_params / 1e9, 3))
 
