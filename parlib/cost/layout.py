@@ -32,16 +32,16 @@ Why this order:
   then e consecutive ranks: for c = 2, t = 4, e = 2, rank 0's group is [0, 1], where
   the placement above gives [0, 4]. What each trades:
 
-  ========================  =================================  ===========================
-  ep borrows                 dp x cp (parlib's default)         dp x cp x tp (torchtitan)
-  ========================  =================================  ===========================
-  an ep group's ranks        t apart, spanning e x t ranks      consecutive, spanning e
-  the all-to-all             crosses nodes once e x t > node    inside a node while e fits
-  an expert on a rank        1/t of it (split like the MLP)     whole (the tp ranks must
-                                                                hold different tokens:
-                                                                sequence parallelism)
-  its gradient syncs over    d x c / e ranks (same tp index)    d x c x t / e ranks
-  ========================  =================================  ===========================
+  ====================  ===============================  ================================
+  ep borrows            dp x cp (parlib's default)       dp x cp x tp (torchtitan's)
+  ====================  ===============================  ================================
+  an ep group's ranks   t apart, spanning e x t ranks    consecutive, spanning e
+  the all-to-all        crosses nodes once e x t > node  inside a node while e fits
+  an expert on a rank   1/t of it (split like the MLP)   whole (the tp ranks must hold
+                                                         different tokens: sequence
+                                                         parallelism)
+  its gradient syncs    d x c / e ranks (same tp index)  d x c x t / e ranks
+  ====================  ===============================  ================================
 
   torchtitan also asks e to be a multiple of c (dp x cp) or of c x t (dp x cp x tp), so
   that a group holds whole context-(and tensor-)parallel blocks; parlib takes any e that

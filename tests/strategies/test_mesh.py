@@ -156,12 +156,18 @@ def _placed_groups():
         dist.all_reduce(x, group=mesh.expert_replica_group())
         out.append((mesh.ranks("ep"), M.torch_device_mesh_ranks(layout)["ep"],
                     mesh.expert_replica_ranks(), x.item(), mesh.coord("ep")))
+    try:
+        M.Mesh(dp=8).group("ep")
+        out.append(None)
+    except ValueError as e:  # no ep: no groups, and the error says how to get them
+        out.append(str(e))
     return out
 
 
 def test_mesh_builds_either_placement_as_torchtitan_does_on_real_ranks():
     results = parlib.launch(_placed_groups, world_size=8, timeout=300)
-    for rank, per_layout in enumerate(results):
+    for rank, (*per_layout, no_ep) in enumerate(results):
+        assert "has no expert-parallel groups" in no_ep and "ep > 1" in no_ep
         for layout, (ours, titans, replicas, n, coord) in zip(PLACED, per_layout):
             assert ours == titans == layout.axis_ranks("ep", rank), (layout, rank)
             assert replicas == layout.expert_replica_ranks(rank) and n == len(replicas)
