@@ -357,6 +357,9 @@ def check_layout(model: Model, n_devices: int, layout: Layout, *, m: int,
     if e > 1 and not model.is_moe:
         raise ValueError(f"e = {e}: expert parallelism needs a mixture-of-experts model "
                          f"(Model(..., n_experts=E)); this one is dense")
+    if e > 1 and layout.ep_borrows != ("dp", "cp"):
+        raise ValueError(f"{layout!r}: the cost model prices ep over dp x cp (experts split "
+                         f"over tp like the MLP); ep borrowing tp too is not modelled")
     if e > 1 and model.n_experts % e:
         raise ValueError(f"e = {e} does not divide the model's {model.n_experts} experts")
     c = layout.cp

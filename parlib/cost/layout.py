@@ -27,6 +27,26 @@ Why this order:
   splits the experts e ways, so an expert's weights have d x c / e copies, whose gradients
   sync over those. ep must divide d x c. ``Layout(dp=8, ep=4)`` is 8 devices.
 
+- **or ep borrows dp x cp x tp** (``ep_borrows=EP_OVER_TP``), torchtitan's default
+  placement (its ``etp = 1``; torchtitan's ``etp = tp`` is the one above). An ep group is
+  then e consecutive ranks: for c = 2, t = 4, e = 2, rank 0's group is [0, 1], where
+  the placement above gives [0, 4]. What each trades:
+
+  ====================  ===============================  ================================
+  ep borrows            dp x cp (parlib's default)       dp x cp x tp (torchtitan's)
+  ====================  ===============================  ================================
+  an ep group's ranks   t apart, spanning e x t ranks    consecutive, spanning e
+  the all-to-all        crosses nodes once e x t > node  inside a node while e fits
+  an expert on a rank   1/t of it (split like the MLP)   whole (the tp ranks must hold
+                                                         different tokens: sequence
+                                                         parallelism)
+  its gradient syncs    d x c / e ranks (same tp index)  d x c x t / e ranks
+  ====================  ===============================  ================================
+
+  torchtitan also asks e to be a multiple of c (dp x cp) or of c x t (dp x cp x tp), so
+  that a group holds whole context-(and tensor-)parallel blocks; parlib takes any e that
+  divides the borrowed ranks, in groups of e consecutive indices of that block.
+
 Adding an axis is an entry in :data:`AXES` (or :data:`BORROWED_AXES`), its formulas in this
 package and its strategy file.
 
@@ -53,7 +73,7 @@ class Axis:
     title: str
     splits: str
     pipeline: bool = False
-    borrows: tuple[str, ...] = ()  # the placed axes whose ranks its groups reuse
+    borrows: tuple[str, ...] = ()  # the placed axes whose ranks its groups reuse (default)
 
 
 # Slowest-varying first: the rank order is this tuple's order, written nowhere else.
@@ -73,6 +93,10 @@ AXIS_NAMES: tuple[str, ...] = tuple(a.name for a in AXES)  # the rank order's ax
 ALL_AXIS_NAMES: tuple[str, ...] = AXIS_NAMES + tuple(a.name for a in BORROWED_AXES)
 _BY_NAME = {a.name: a for a in AXES + BORROWED_AXES}
 _INDEX = {a.name: i for i, a in enumerate(AXES)}
+# Where ep's groups may live: the placed axes they borrow (adjacent in the rank order).
+EP_OVER_DP_CP: tuple[str, ...] = ("dp", "cp")  # parlib's default; torchtitan's etp = tp
+EP_OVER_TP: tuple[str, ...] = ("dp", "cp", "tp")  # torchtitan's default (its etp = 1)
+EP_PLACEMENTS: tuple[tuple[str, ...], ...] = (EP_OVER_DP_CP, EP_OVER_TP)
 
 
 def axis(name: str) -> Axis:
@@ -100,22 +124,31 @@ class Layout(Mapping[str, int]):
     Expert parallelism, ``ep``, borrows ranks (see the module's docstring): ``layout.ep``
     and ``layout["ep"]`` read it, ``str`` appends it ("d=8 e=4"), but it is not iterated
     with the rank-order axes (``dict(layout)`` is the rank order's sizes, as a device mesh
-    takes them); :meth:`sizes` gives all of them.
+    takes them); :meth:`sizes` gives all of them. ``ep_borrows`` says which placed axes
+    its groups borrow: :data:`EP_OVER_DP_CP` (the default) or :data:`EP_OVER_TP`
+    (torchtitan's default), e.g. ``Layout(cp=2, tp=4, ep=2, ep_borrows=EP_OVER_TP)``.
     """
 
-    __slots__ = ("_sizes", "_ep")
+    __slots__ = ("_sizes", "_ep", "_ep_borrows")
 
-    def __init__(self, **sizes: int) -> None:
+    def __init__(self, *, ep_borrows: tuple[str, ...] = EP_OVER_DP_CP, **sizes: int) -> None:
         for name in sizes:
             axis(name)
         object.__setattr__(self, "_sizes", tuple(_size(a, sizes.get(a, 1)) for a in AXIS_NAMES))
+        borrows = tuple(ep_borrows) if isinstance(ep_borrows, (tuple, list)) else ep_borrows
+        if borrows not in EP_PLACEMENTS:
+            raise ValueError(f"ep_borrows={ep_borrows!r}: expert parallelism borrows "
+                             f"{EP_OVER_DP_CP} (parlib's default) or {EP_OVER_TP} "
+                             f"(torchtitan's default)")
         ep = _size("ep", sizes.get("ep", 1))
-        shared = self["dp"] * self["cp"]
+        shared = math.prod(self[a] for a in borrows)
         if shared % ep:
-            raise ValueError(f"ep = {ep} does not divide d x c = {shared}: expert-parallel "
-                             f"groups borrow the data- and context-parallel ranks (ep does "
-                             f"not add devices)")
+            symbols = " x ".join(axis(a).symbol for a in borrows)
+            raise ValueError(f"ep = {ep} does not divide {symbols} = {shared}: expert-"
+                             f"parallel groups borrow the {' and '.join(borrows)} ranks (ep "
+                             f"does not add devices)")
         object.__setattr__(self, "_ep", ep)
+        object.__setattr__(self, "_ep_borrows", borrows)
 
     @classmethod
     def of(cls, layout: Layout | Mapping[str, int]) -> Layout:
@@ -136,9 +169,17 @@ class Layout(Mapping[str, int]):
         return self._sizes[_INDEX[name]]
 
     def sizes(self) -> dict[str, int]:
-        """Every axis's size, the borrowed ones (ep) too: ``Layout(**layout.sizes())`` is
-        ``layout``."""
+        """Every axis's size, the borrowed ones (ep) too: ``Layout(**layout.sizes(),
+        ep_borrows=layout.ep_borrows)`` is ``layout``."""
         return {**dict(self), "ep": self._ep}
+
+    @property
+    def ep_borrows(self) -> tuple[str, ...]:
+        """The placed axes whose ranks ep's groups borrow, in rank order."""
+        return self._ep_borrows
+
+    def _placement(self) -> tuple[str, ...]:  # what equality sees: none without ep
+        return self._ep_borrows if self._ep > 1 else EP_OVER_DP_CP
 
     def __contains__(self, name: object) -> bool:
         return name in _BY_NAME
@@ -154,29 +195,38 @@ class Layout(Mapping[str, int]):
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Layout) and self._sizes == other._sizes
-                and self._ep == other._ep)
+                and self._ep == other._ep and self._placement() == other._placement())
 
     def __hash__(self) -> int:
-        return hash((self._sizes, self._ep)) if self._ep > 1 else hash(self._sizes)
+        if self._ep == 1:
+            return hash(self._sizes)
+        return hash((self._sizes, self._ep, self._placement()))
 
     def __reduce__(self) -> tuple:  # pickles (to ranks) as its sizes: it has no __dict__
+        if self._placement() != EP_OVER_DP_CP:
+            return (_from_sizes, (self.sizes(), self._ep_borrows))
         return (_from_sizes, (self.sizes() if self._ep > 1 else dict(self),))
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{a}={n}" for a, n in self.sizes().items() if n > 1)
+        if self._placement() != EP_OVER_DP_CP:
+            inner += f", ep_borrows={self._ep_borrows!r}"
         return f"Layout({inner})"
 
     def __str__(self) -> str:
         parts = [f"{axis(a).symbol}={self[a]}" for a in reversed(AXIS_NAMES) if self[a] > 1]
         placed = " x ".join(parts) or "one device"
-        return placed + (f" e={self._ep}" if self._ep > 1 else "")
+        if self._ep == 1:
+            return placed
+        over = " x ".join(axis(a).symbol for a in self._ep_borrows)
+        return placed + f" e={self._ep}" + (f" over {over}" if over != "d x c" else "")
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
 
     def with_(self, **changes: int) -> Layout:
         """A copy with some sizes changed: ``layout.with_(tp=4)``."""
-        return Layout(**{**self.sizes(), **changes})
+        return Layout(**{**self.sizes(), **changes}, ep_borrows=self._ep_borrows)
 
     # ---- the numbering
     @property
@@ -186,11 +236,11 @@ class Layout(Mapping[str, int]):
 
     def stride(self, name: str) -> int:
         """How many ranks apart two neighbours along axis ``name`` are: the product of the
-        sizes of the axes that vary faster (for ep, which runs along dp-then-cp index:
-        cp's stride)."""
+        sizes of the axes that vary faster (for ep, which runs along the index of the axes it
+        borrows: the fastest one's stride)."""
         name = axis(name).name
         if name == "ep":
-            return self.stride("cp")
+            return self.stride(self._ep_borrows[-1])
         return math.prod(self._sizes[_INDEX[name] + 1:])
 
     def span(self, name: str) -> int:
@@ -232,12 +282,39 @@ class Layout(Mapping[str, int]):
         every rank whose other coordinates equal ``rank``'s."""
         axis(name)
         mine = self.coords(rank)
-        if name == "ep":  # e consecutive ranks of the d x c block, by dp-then-cp index
-            c, e = self.cp, self._ep
-            first = (mine["dp"] * c + mine["cp"]) // e * e
-            return [self.rank_at({**mine, "dp": j // c, "cp": j % c})
-                    for j in range(first, first + e)]
+        if name == "ep":  # e consecutive indices of the borrowed block (dp x cp or dp x cp x tp)
+            e = self._ep
+            first = self._borrowed_index(mine) // e * e
+            return [self._at_borrowed_index(mine, j) for j in range(first, first + e)]
         return [self.rank_at({**mine, name: i}) for i in range(self[name])]
+
+    def _borrowed_index(self, coord: Mapping[str, int]) -> int:
+        """The index of ``coord`` in the block of ep's borrowed axes, in rank order."""
+        j = 0
+        for a in self._ep_borrows:
+            j = j * self[a] + coord[a]
+        return j
+
+    def _at_borrowed_index(self, coord: Mapping[str, int], j: int) -> int:
+        """The rank with ``coord``'s other coordinates at index ``j`` of ep's block."""
+        at = dict(coord)
+        for a in reversed(self._ep_borrows):
+            j, at[a] = divmod(j, self[a])
+        return self.rank_at(at)
+
+    def expert_replica_ranks(self, rank: int) -> list[int]:
+        """The ranks holding the same experts as ``rank`` (the same index in their ep
+        groups, the same on every axis ep does not borrow): the group an expert's gradient
+        syncs over, d x c / e ranks (d x c x t / e borrowing tp too), lowest first."""
+        mine, e = self.coords(rank), self._ep
+        j = self._borrowed_index(mine)
+        block = math.prod(self[a] for a in self._ep_borrows)
+        return [self._at_borrowed_index(mine, k) for k in range(j % e, block, e)]
+
+    def expert_replica_groups(self) -> list[list[int]]:
+        """Every group of :meth:`expert_replica_ranks`, ordered by lowest rank."""
+        seen = {min(g): g for g in map(self.expert_replica_ranks, range(self.world))}
+        return [seen[k] for k in sorted(seen)]
 
     def groups(self, name: str) -> list[list[int]]:
         """Every group along axis ``name`` (each a list of ranks), ordered by lowest rank."""
@@ -263,14 +340,15 @@ def _size_of(i: int) -> property:
 
 for _i, _name in enumerate(AXIS_NAMES):  # layout.pp, layout.dp, ...: one per axis of the table
     setattr(Layout, _name, _size_of(_i))
-Layout.ep = property(lambda self: self._ep, doc="The size of axis 'ep' (borrows dp x cp).")
+Layout.ep = property(lambda self: self._ep,
+                     doc="The size of axis 'ep' (borrows dp x cp, or dp x cp x tp).")
 
 
-def _from_sizes(sizes: dict[str, int]) -> Layout:
-    return Layout(**sizes)
+def _from_sizes(sizes: dict[str, int], ep_borrows: tuple[str, ...] = EP_OVER_DP_CP) -> Layout:
+    return Layout(**sizes, ep_borrows=ep_borrows)
 
 
 PIPELINE: Axis = next(a for a in AXES if a.pipeline)
 
-__all__ = ["ALL_AXIS_NAMES", "AXES", "AXIS_NAMES", "BORROWED_AXES", "PIPELINE", "Axis", "Layout",
-           "axis"]
+__all__ = ["ALL_AXIS_NAMES", "AXES", "AXIS_NAMES", "BORROWED_AXES", "EP_OVER_DP_CP", "EP_OVER_TP",
+           "EP_PLACEMENTS", "PIPELINE", "Axis", "Layout", "axis"]

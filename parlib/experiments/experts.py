@@ -45,11 +45,11 @@ from parlib.strategies.experts import (
     ExpertParallelMoE,
     aux_loss,
     dispatch_plan,
-    expert_groups,
     expert_parallel_copy,
     split_rows,
     sync_gradients,
 )
+from parlib.strategies.mesh import Mesh
 from parlib.verify import compare
 
 
@@ -176,7 +176,8 @@ def train_expert_parallel(cfg: ModelConfig, ep: int, *, steps: int = 3, batch: i
     step's ``"grads"`` and the final ``"params"`` this rank holds, and ``"bytes"`` (the
     token all-to-alls of the first step, this rank)."""
     world = dist.group.WORLD
-    ep_group, replicas = expert_groups(ep)
+    mesh = Mesh(dp=dist.get_world_size(), ep=ep)  # ep groups of consecutive ranks
+    ep_group, replicas = mesh.group("ep"), mesh.expert_replica_group()
     dev = this_device()  # NCCL moves only tensors on this rank's GPU
     model = expert_parallel_copy(build_model(cfg, seed), ep_group).to(dev)
     opt = make_optimizer(model.parameters(), "sgd", lr)

@@ -21,7 +21,8 @@ same two ways (:func:`parlib.cost.experts.ep_all_to_all_bytes_per_layer`).
 With data parallelism on the same ranks (DeepSeek style), every rank trains on its own
 rows: the shared parameters (attention, norms, router, embeddings) are replicated and their
 gradients averaged over all ranks, an expert's gradient is summed over the replicas of that
-expert only (:func:`expert_groups`, :func:`sync_gradients`). Groups are arguments.
+expert only (:func:`sync_gradients`; :class:`parlib.strategies.mesh.Mesh` builds both groups,
+``mesh.group("ep")`` and ``mesh.expert_replica_group()``). Groups are arguments.
 """
 
 from __future__ import annotations
@@ -165,18 +166,6 @@ def expert_parallel_copy(model: TinyGPT, group: Any) -> TinyGPT:
     return ep_model
 
 
-def expert_groups(ep: int) -> tuple[Any, Any]:
-    """This rank's (ep group, replica group) on a world of ep x dp ranks: ep groups are runs
-    of consecutive ranks {0..ep-1}, {ep..2ep-1}, ...; rank i's experts are replicated on the
-    ranks i mod ep + j x ep. Every rank must call it (groups are made collectively)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if ep < 1 or world % ep:
-        raise ValueError(f"ep={ep} does not divide the {world} ranks")
-    ep_groups = [dist.new_group(list(range(s, s + ep))) for s in range(0, world, ep)]
-    replicas = [dist.new_group(list(range(i, world, ep))) for i in range(ep)]
-    return ep_groups[rank // ep], replicas[rank % ep]
-
-
 def is_expert_parameter(name: str) -> bool:
     """Whether a parameter (by name) belongs to an expert, not to the shared model."""
     return ".experts." in f".{name}"
@@ -221,5 +210,5 @@ def split_rows(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 
 __all__ = ["AllToAll", "ExpertParallelMoE", "all_to_all", "aux_loss", "dispatch_plan",
-           "expert_groups", "expert_parallel_copy", "experts_of_rank", "is_expert_parameter",
+           "expert_parallel_copy", "experts_of_rank", "is_expert_parameter",
            "split_rows", "sync_gradients"]

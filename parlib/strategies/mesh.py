@@ -1,13 +1,16 @@
-"""A device mesh: which rank does what when data, tensor and pipeline parallelism combine.
+"""A device mesh: which rank does what when pipeline, data, context, tensor and expert
+parallelism combine.
 
-The layout (how many ways each axis splits) and the rank order (tp fastest, then dp, pp
-slowest, and why) are :class:`parlib.cost.Layout`'s: plain arithmetic, no processes.
+The layout (how many ways each axis splits) and the rank order (tp fastest, then cp, dp, pp
+slowest, and why; ep borrowing dp x cp, or dp x cp x tp as torchtitan does) are
+:class:`parlib.cost.Layout`'s: plain arithmetic, no processes.
 :class:`Mesh` creates the process group of every axis once, inside a launched run, and
 hands them out; strategies take them as arguments and never read a global.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch.distributed as dist
@@ -25,7 +28,9 @@ class Mesh:
     process group of that axis containing this rank; ``mesh.ranks("pp")``: its global
     ranks in order; ``mesh.size("pp")`` (or ``mesh.pp``): the axis's size;
     ``mesh.pp_prev`` / ``mesh.pp_next``: global ranks of the neighbouring stages (None at
-    the ends). Raises ValueError if the layout's size is not the world size.
+    the ends). With ep > 1, ``mesh.group("ep")`` splits the experts (placed by the layout's
+    ``ep_borrows``) and ``mesh.expert_replica_group()`` holds the same experts, the group
+    their gradients sync over. Raises ValueError if the layout's size is not the world size.
     """
 
     def __init__(self, layout: Layout | None = None, **sizes: int) -> None:
@@ -42,16 +47,21 @@ class Mesh:
         self._coords = self.layout.coords(self.rank)
         self._ranks: dict[str, list[int]] = {}
         self._groups: dict[str, Any] = {}
-        # ep borrows the data- and context-parallel ranks: its groups exist only when ep > 1
+        # ep borrows placed ranks: its groups (and its experts' replicas) exist when ep > 1
         self.axes = (*AXIS_NAMES, "ep") if self.layout.ep > 1 else AXIS_NAMES
         for name in self.axes:
-            # new_group is collective: every rank creates every group, in the same order,
-            # and keeps the one it belongs to.
-            for members in self.layout.groups(name):
-                group = dist.new_group(members)
-                if self.rank in members:
-                    self._ranks[name], self._groups[name] = members, group
+            self._keep_mine(name, self.layout.groups(name))
+        if self.layout.ep > 1:
+            self._keep_mine(_REPLICAS, self.layout.expert_replica_groups())
         self.pp_prev, self.pp_next = self.layout.pipeline_neighbours(self.rank)
+
+    def _keep_mine(self, key: str, groups: list[list[int]]) -> None:
+        # new_group is collective: every rank creates every group, in the same order, and
+        # keeps the one it belongs to.
+        for members in groups:
+            group = dist.new_group(members)
+            if self.rank in members:
+                self._ranks[key], self._groups[key] = members, group
 
     def __getattr__(self, name: str) -> int:
         # mesh.pp is mesh.size("pp"): the axes are the layout's, so no state is kept twice
@@ -70,11 +80,28 @@ class Mesh:
 
     def group(self, name: str) -> Any:
         """The process group of axis ``name`` that contains this rank."""
-        return self._groups[axis(name).name]
+        return self._groups[self._known(name)]
 
     def ranks(self, name: str) -> list[int]:
         """Global ranks of this rank's group along ``name``, in order of their index on it."""
-        return list(self._ranks[axis(name).name])
+        return list(self._ranks[self._known(name)])
+
+    def expert_replica_group(self) -> Any:
+        """The ranks holding this rank's experts (one per ep group; this rank's alone when
+        ep covers the borrowed ranks): ``sync_gradients``'s ``replica_group``."""
+        return self._groups[self._known(_REPLICAS)]
+
+    def expert_replica_ranks(self) -> list[int]:
+        """Global ranks of :meth:`expert_replica_group`, lowest first."""
+        return list(self._ranks[self._known(_REPLICAS)])
+
+    def _known(self, name: str) -> str:
+        if name != _REPLICAS:
+            name = axis(name).name
+        if name not in self._groups:  # only ep is ever absent: it has no groups at ep = 1
+            raise ValueError(f"{self!r} has no expert-parallel groups: give the layout "
+                             f"ep > 1, e.g. Mesh(dp=4, ep=2)")
+        return name
 
     def size(self, name: str) -> int:
         """How many ways axis ``name`` splits the work."""
@@ -91,16 +118,47 @@ class Mesh:
         return f"Mesh({self.layout!r}, rank={self.rank})"
 
 
+_REPLICAS = "expert replicas"  # the key of the experts' gradient-sync group
+
+
 def torch_device_mesh_ranks(layout: Layout, *,
                             device_type: str | None = None) -> dict[str, list[int]]:
     """This rank's group along each axis as PyTorch's ``init_device_mesh`` builds it for the
-    same shape and dimension names (in rank order): to check :class:`Mesh` against."""
+    same shape and dimension names (in rank order): to check :class:`Mesh` against. With
+    ep > 1 also ``"ep"``, built as torchtitan builds it (:func:`torchtitan_ep_mesh`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     layout = Layout.of(layout)
     device_type = device_type or ("cuda" if dist.get_backend() == "nccl" else "cpu")
     mesh = init_device_mesh(device_type, tuple(layout.values()), mesh_dim_names=AXIS_NAMES)
-    return {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in AXIS_NAMES}
+    out = {name: dist.get_process_group_ranks(mesh.get_group(name)) for name in AXIS_NAMES}
+    if layout.ep > 1:
+        ep_mesh = torchtitan_ep_mesh(layout, device_type=device_type)
+        out["ep"] = dist.get_process_group_ranks(ep_mesh.get_group())
+    return out
 
 
-__all__ = ["Mesh", "torch_device_mesh_ranks"]
+def torchtitan_ep_mesh(layout: Layout, *, device_type: str = "cpu") -> Any:
+    """This rank's ep group as a one-dimensional DeviceMesh, made the way torchtitan makes
+    it (torchtitan/distributed/parallel_dims.py, ``ParallelDims``; parlib's dp is its
+    dp_shard, with no dp_replicate): the dp axis cut in two, (d / k, k), the inner k and
+    every other borrowed axis (cp; cp and tp for its etp = 1) flattened into one dimension
+    of e = k x c (x t) ranks with ``DeviceMesh._flatten``. torchtitan takes only e that
+    are such multiples: a ValueError names any other."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    layout = Layout.of(layout)
+    inner = [a for a in layout.ep_borrows if a != "dp"]  # borrowed whole: cp (, tp)
+    whole = math.prod(layout[a] for a in inner)
+    if layout.ep % whole:
+        raise ValueError(f"{layout!r}: torchtitan's ep borrows all of {' x '.join(inner)} "
+                         f"({whole} ranks) and part of dp, so e must be a multiple of "
+                         f"{whole}; parlib's Layout takes e = {layout.ep} all the same")
+    k = layout.ep // whole  # the part of dp inside an ep group
+    names = ("pp", "dp_outside_ep", "dp_inside_ep", "cp", "tp")
+    sizes = (layout.pp, layout.dp // k, k, layout.cp, layout.tp)
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    return mesh[("dp_inside_ep", *inner)]._flatten(mesh_dim_name="ep")
+
+
+__all__ = ["Mesh", "torch_device_mesh_ranks", "torchtitan_ep_mesh"]

@@ -65,6 +65,10 @@ def test_ep_is_refused_for_dense_models_and_uneven_expert_splits():
     three = Model(2, 8, 2, 4, 16, n_experts=6, top_k=2)
     with pytest.raises(ValueError, match="e = 4 does not divide the model's 6 experts"):
         estimate(three, HW, Layout(dp=4, ep=4), m=1, global_batch=4)
+    # ep borrowing tp too (torchtitan's placement) holds whole experts: not what it prices
+    with pytest.raises(ValueError, match="prices ep over dp x cp"):
+        estimate(MOE, HW, Layout(dp=2, tp=2, ep=2, ep_borrows=("dp", "cp", "tp")), m=1,
+                 global_batch=2)
 
 
 def test_the_planner_searches_ep_for_mixtures_only():

@@ -35,7 +35,8 @@ PLACES = {
 
 def test_ch04_questions_registered():
     assert {"07.mesh_position", "07.seed_chips", "07.seed_copies", "07.seed_memory",
-            "07.crosses_nodes", "07.pick_layout"} <= set(questions("07"))
+            "07.crosses_nodes", "07.pick_layout", "07.ep_group_dp_cp", "07.ep_group_dp_cp_tp",
+            "07.cp_bytes_4d"} <= set(questions("07"))
 
 
 def test_mesh_position_accepts_the_worked_answer(capsys):
@@ -153,3 +154,55 @@ def test_pick_layout_working_says_true_things_about_zero3():
 
     assert fits(zero=3) and not fits()
     assert pick.pick_layout_problems(64, 1, 1) is not None
+
+
+# ------------------------------------------------------- the five axes: ep's two placements
+
+@pytest.mark.parametrize("qid,right,wrongs", [
+    ("07.ep_group_dp_cp", (17, 19, 21, 23), [
+        ((20, 21, 22, 23), "the other placement's group"),  # consecutive ranks
+        ((17, 21, 25, 29), "the data-parallel group"),  # stride t x c: dp alone
+        ((1, 3, 5, 7), "first pipeline stage"),  # the pp offset forgotten
+        ((21, 22, 23, 24), "does not start at rank 21"),  # off by one: from the rank on
+        ((21, 23, 25, 27), "does not start at rank 21"),  # the right stride, wrong start
+        ((16, 18, 20, 22), "contains rank 21"),  # the tp index forgotten
+        ((17, 19, 21, 25), "not its group")]),
+    ("07.ep_group_dp_cp_tp", (20, 21, 22, 23), [
+        ((17, 19, 21, 23), "the other placement's group"),  # t apart: parlib's default
+        ((4, 5, 6, 7), "first pipeline stage"),
+        ((21, 22, 23, 24), "does not start at rank 21"),
+        ((16, 17, 18, 19), "contains rank 21")]),
+])
+def test_ep_group_questions_take_the_group_and_name_each_slip(qid, right, wrongs):
+    assert check(qid, right).passed
+    assert check(qid, tuple(reversed(right))).passed  # any order: a group is a set
+    for wrong, hint in wrongs:
+        result = check(qid, wrong)
+        assert not result.passed and hint in result.message, (wrong, result.message)
+    assert not check(qid, [17, 19, 21]).passed  # three ranks: a group of e = 4 has four
+
+
+def test_ep_group_answers_are_the_layouts():
+    from parlib.cost import Layout
+    from parlib.course.questions.ch07 import placement as P
+
+    both = {b: Layout(**P.EP_SIZES, ep_borrows=b).axis_ranks("ep", P.EP_RANK)
+            for b in (("dp", "cp"), ("dp", "cp", "tp"))}
+    assert both[("dp", "cp")] == [17, 19, 21, 23] and both[("dp", "cp", "tp")] == [20, 21, 22, 23]
+
+
+def test_cp_bytes_of_the_4d_run():
+    gib = 2**30
+    # 9 blocks per layer (3(c - 1)), 16 layers per stage, 8 microbatches, each block
+    # 2 x 1 x 4096 x 512 x 2 bytes = 8 MiB
+    right = 9 * 16 * 8 * (2 * 1 * 4096 * 512 * 2) / gib
+    assert right == 9.0 and check("07.cp_bytes_4d", right).passed
+    for wrong, hint in [(right * 8, "h/t"),  # keys and values whole, as if no tp
+                        (right * 4, "s/c long"),
+                        (right * 2, "L/p"),
+                        (right / 8, "times m"),
+                        (right / 3, "3(c - 1)"),
+                        (right * 2 / 3, "gradients"),
+                        (right / 2, "keys and values")]:
+        result = check("07.cp_bytes_4d", wrong)
+        assert not result.passed and hint in result.message, (wrong, result.message)

@@ -36,13 +36,13 @@ from parlib.strategies.experts import (
     ExpertParallelMoE,
     all_to_all,
     aux_loss,
-    expert_groups,
     expert_parallel_copy,
     experts_of_rank,
     is_expert_parameter,
     split_rows,
     sync_gradients,
 )
+from parlib.strategies.mesh import Mesh
 from parlib.verify import compare, reference_run
 
 H, E, K = 16, 8, 2
@@ -216,7 +216,8 @@ def _model_vs_single(ep):
     """The tiny MoE model on EP (x DP when the world is bigger than ep): losses, every
     gradient of every step and the final weights."""
     world = dist.group.WORLD
-    ep_group, replicas = expert_groups(ep)
+    mesh = Mesh(dp=dist.get_world_size(), ep=ep)
+    ep_group, replicas = mesh.group("ep"), mesh.expert_replica_group()
     model = expert_parallel_copy(build_model(CFG), ep_group)
     opt = make_optimizer(model.parameters(), "sgd", LR)
     losses, grads = [], []
