@@ -22,6 +22,7 @@ from parlib.measure.traffic import axis_traffic as measure_axis_traffic
 from parlib.model import ModelConfig, make_batch, make_optimizer
 from parlib.runtime.policy import device as this_device
 from parlib.strategies.combined import MeshGradientSync, build_nd, train_step_nd
+from parlib.strategies.experts import is_expert_parameter
 from parlib.strategies.mesh import Mesh
 from parlib.strategies.pipeline import Stage
 from parlib.strategies.tensor import shard_of, split_dims
@@ -67,7 +68,8 @@ def rank_train_nd(layout: Layout | Mapping[str, int], *, cfg: ModelConfig | None
     name, this rank's shard), ``params`` (after the last step), ``split`` (dimension each
     parameter is cut along). With ``record``: ``spans`` of the last step (compute, pp
     send/recv, each axis' collectives), ``traffic`` (bytes per axis, last step), ``pp_sent``
-    (bytes), ``param_bytes`` and ``peak_saved`` (activation bytes, last step).
+    (bytes), ``param_bytes`` (of which ``expert_param_bytes`` in experts split over ep)
+    and ``peak_saved`` (activation bytes, last step).
     """
     cfg = cfg or ModelConfig()
     mesh = Mesh(Layout.of(layout))
@@ -94,8 +96,11 @@ def rank_train_nd(layout: Layout | Mapping[str, int], *, cfg: ModelConfig | None
                                  schedule=schedule, sequence_layout=sequence_layout,
                                  hooks=hooks, sync=sync)
         if last:
+            split = [p for n, p in stage.named_parameters()
+                     if mesh.ep > 1 and is_expert_parameter(n)]
             out.update(spans=rec.spans, traffic=traffic, pp_sent=sum(rec.sent.values()),
-                       param_bytes=param_bytes(stage.parameters()), peak_saved=tracker.peak)
+                       param_bytes=param_bytes(stage.parameters()), peak_saved=tracker.peak,
+                       expert_param_bytes=param_bytes(split))
         out["losses"].append(loss)
         out["grads"].append(stage.grads())
     out["params"] = {stage.global_names[n]: prm.detach().cpu().clone()

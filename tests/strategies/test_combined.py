@@ -7,7 +7,7 @@ import copy
 import pytest
 
 import parlib
-from parlib import verify
+from parlib import cost, verify
 from parlib.cost import Layout
 from parlib.experiments import combined as C
 from parlib.model import ModelConfig
@@ -63,3 +63,75 @@ def test_the_check_rejects_wrong_results():
     stale[6]["params"] = {n: v + 1e-3 for n, v in stale[6]["params"].items()}
     bad = check(stale, ref)[0]
     assert not bad.ok and bad.where.startswith("rank 6")
+
+
+# --------------------------------------------------------------------------- four, five axes
+# A mixture of experts (4 experts, top 2, no capacity limit: nothing dropped) on 2 layers,
+# one per stage; s = 16 cuts into 2 x cp = 4 zig-zag chunks.
+MOE = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, n_experts=4,
+                  top_k=2, expert_hidden=32)
+ND_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return verify.reference_run(MOE, steps=ND_STEPS, batch=BATCH)
+
+
+def run_nd(layout):
+    return parlib.launch(C.rank_train_nd, layout, cfg=MOE, steps=ND_STEPS, global_batch=BATCH,
+                         m=M, record=True, schedule="1f1b", sequence_layout="zigzag",
+                         world_size=layout.world, timeout=600)
+
+
+def predicted_bytes(layout, r):
+    """cost's bytes per axis for rank r of a run_nd (its parameters as it measured them)."""
+    return cost.mesh_sent_bytes_per_step(
+        layout, b=BATCH // (layout.dp * M), s=MOE.seq_len, h=MOE.d_model, m=M,
+        layers=MOE.n_layers // layout.pp, stage=r["coord"]["pp"],
+        shared_param_bytes=r["param_bytes"] - r["expert_param_bytes"],
+        expert_param_bytes=r["expert_param_bytes"], n_experts=MOE.n_experts, top_k=MOE.top_k)
+
+
+def check_nd(layout, results, reference):
+    verdict, checked = check(results, reference)
+    assert verdict.ok, str(verdict)
+    assert checked >= ND_STEPS * len(reference.params)
+    # the experts really are split: each rank holds E / ep of them
+    expert_names = {n for n in results[0]["params"] if ".experts." in n}
+    held = {n.split(".experts.")[1].split(".")[0] for n in expert_names}
+    assert len(held) == MOE.n_experts // layout.ep
+    # bytes per axis per step, as cost predicts, exactly: tp, cp, dp, pp per rank, ep
+    # (what a rank puts into its all-to-alls, which depends on the routing) as the mean
+    # over each ep group, whatever the routing
+    for r in results:
+        want = predicted_bytes(layout, r)
+        got = {a: r["traffic"][a]["sent_bytes"] for a in ("tp", "cp", "dp") if a in want}
+        got["pp"] = r["pp_sent"]
+        assert got == {a: v for a, v in want.items() if a != "ep"}, r["rank"]
+    for group in layout.groups("ep"):
+        mean = sum(results[q]["traffic"]["ep"]["message_bytes"] for q in group) / len(group)
+        assert mean == predicted_bytes(layout, results[group[0]])["ep"]
+
+
+def test_four_axes_with_experts_equal_single_device(moe_reference):
+    """pp = 2 x cp = 2 x tp = 2 on 8 ranks, ep = 2 over the cp ranks, zig-zag, 1F1B."""
+    layout = Layout(pp=2, cp=2, tp=2, ep=2)
+    results = run_nd(layout)
+    check_nd(layout, results, moe_reference)
+    assert results[0]["groups"]["ep"] == results[0]["groups"]["cp"] == [0, 2]
+    # an expert's gradient summed over the context-parallel ranks instead of averaged
+    summed = copy.deepcopy(results)
+    g = summed[2]["grads"][1]
+    name = next(n for n in g if ".experts." in n)
+    g[name] = 2 * g[name]
+    assert not check(summed, moe_reference)[0].ok
+
+
+@pytest.mark.slow
+def test_five_axes_with_experts_equal_single_device(moe_reference):
+    """pp = 2 x dp = 2 x cp = 2 x tp = 2 on 16 ranks, ep = 2 (an expert's copies on dp)."""
+    layout = Layout(pp=2, dp=2, cp=2, tp=2, ep=2)
+    results = run_nd(layout)
+    check_nd(layout, results, moe_reference)
+    assert all(r["traffic"]["dp"]["sent_bytes"] > 0 for r in results)
