@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parlib.cost import Layout
+from parlib.cost import Layout, mesh_sent_bytes_per_step
 from parlib.experiments.pipeline import MeasuringHooks
 from parlib.measure.emulation import PacedCost
 from parlib.measure.memory import SavedActivations, param_bytes
@@ -144,5 +144,31 @@ def pair_with_reference(results: Sequence[dict[str, Any]], reference: History
     return got, want
 
 
-__all__ = ["axis_traffic", "pair_with_reference", "rank_train_3d", "rank_train_nd",
-           "stage_split_dims"]
+def bytes_per_axis(layout: Layout | Mapping[str, int], results: Sequence[dict[str, Any]],
+                   cfg: ModelConfig, global_batch: int, m: int
+                   ) -> dict[int, dict[str, tuple[float, float]]]:
+    """Rank -> axis -> (measured, predicted) bytes of the recorded step of a
+    :func:`rank_train_nd` run (``record=True``): what the rank sent on tp, cp, dp (as
+    :func:`axis_traffic` counts a collective) and pp (its pipeline sends), against
+    :func:`parlib.cost.mesh_sent_bytes_per_step` for its stage and its parameters; on ep,
+    the bytes put into the all-to-alls, the mean over the rank's ep group (a rank's own
+    share depends on the routing, the mean does not)."""
+    layout = Layout.of(layout)
+    out: dict[int, dict[str, tuple[float, float]]] = {}
+    for r in results:
+        want = mesh_sent_bytes_per_step(
+            layout, b=global_batch // (layout.dp * m), s=cfg.seq_len, h=cfg.d_model, m=m,
+            layers=cfg.n_layers // layout.pp, stage=r["coord"]["pp"],
+            shared_param_bytes=r["param_bytes"] - r["expert_param_bytes"],
+            expert_param_bytes=r["expert_param_bytes"], n_experts=cfg.n_experts,
+            top_k=cfg.top_k if cfg.n_experts else 0)
+        got = {a: r["pp_sent"] if a == "pp" else r["traffic"][a]["sent_bytes"] for a in want}
+        if "ep" in want:
+            group = [results[q]["traffic"]["ep"]["message_bytes"] for q in r["groups"]["ep"]]
+            got["ep"] = sum(group) / len(group)
+        out[r["rank"]] = {a: (got[a], want[a]) for a in want}
+    return out
+
+
+__all__ = ["axis_traffic", "bytes_per_axis", "pair_with_reference", "rank_train_3d",
+           "rank_train_nd", "stage_split_dims"]

@@ -7,7 +7,7 @@ import copy
 import pytest
 
 import parlib
-from parlib import cost, verify
+from parlib import verify
 from parlib.cost import Layout
 from parlib.experiments import combined as C
 from parlib.model import ModelConfig
@@ -84,15 +84,6 @@ def run_nd(layout):
                          world_size=layout.world, timeout=600)
 
 
-def predicted_bytes(layout, r):
-    """cost's bytes per axis for rank r of a run_nd (its parameters as it measured them)."""
-    return cost.mesh_sent_bytes_per_step(
-        layout, b=BATCH // (layout.dp * M), s=MOE.seq_len, h=MOE.d_model, m=M,
-        layers=MOE.n_layers // layout.pp, stage=r["coord"]["pp"],
-        shared_param_bytes=r["param_bytes"] - r["expert_param_bytes"],
-        expert_param_bytes=r["expert_param_bytes"], n_experts=MOE.n_experts, top_k=MOE.top_k)
-
-
 def check_nd(layout, results, reference):
     verdict, checked = check(results, reference)
     assert verdict.ok, str(verdict)
@@ -104,14 +95,12 @@ def check_nd(layout, results, reference):
     # bytes per axis per step, as cost predicts, exactly: tp, cp, dp, pp per rank, ep
     # (what a rank puts into its all-to-alls, which depends on the routing) as the mean
     # over each ep group, whatever the routing
-    for r in results:
-        want = predicted_bytes(layout, r)
-        got = {a: r["traffic"][a]["sent_bytes"] for a in ("tp", "cp", "dp") if a in want}
-        got["pp"] = r["pp_sent"]
-        assert got == {a: v for a, v in want.items() if a != "ep"}, r["rank"]
-    for group in layout.groups("ep"):
-        mean = sum(results[q]["traffic"]["ep"]["message_bytes"] for q in group) / len(group)
-        assert mean == predicted_bytes(layout, results[group[0]])["ep"]
+    table = C.bytes_per_axis(layout, results, MOE, BATCH, M)
+    expected = {"tp", "cp", "pp", "ep"} | ({"dp"} if layout.dp > 1 else set())
+    for rank, axes in table.items():
+        assert set(axes) == expected
+        for axis, (got, want) in axes.items():
+            assert got == want > 0, (rank, axis, got, want)
 
 
 def test_four_axes_with_experts_equal_single_device(moe_reference):
