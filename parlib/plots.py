@@ -530,6 +530,11 @@ def draw_axis_rows(spans: Iterable[Span], ax: Any = None, *, title: str | None =
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(list(reversed(labels)))
     ax.set_xlabel({"ms": "time (ms)", "s": "time (s)"}[unit])
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in COMPUTE
+                       if any(x.kind == k for x in spans)],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     _tidy(ax, "\n".join(t for t in (title, caption) if t))
     return ax
 
