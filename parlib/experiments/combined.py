@@ -63,13 +63,13 @@ def rank_train_nd(layout: Layout | Mapping[str, int], *, cfg: ModelConfig | None
     :func:`train_step_nd` (``schedule``, the sequence split ``sequence_layout``) on batches
     0..steps-1, the gradients pooled in buckets (:class:`MeshGradientSync`, after backward).
 
-    Returns ``rank``, ``coord`` (index per axis), ``groups`` (global ranks per axis),
-    ``losses`` (per step, last stage; None elsewhere), ``grads`` (per step, by full-model
-    name, this rank's shard), ``params`` (after the last step), ``split`` (dimension each
-    parameter is cut along). With ``record``: ``spans`` of the last step (compute, pp
-    send/recv, each axis' collectives), ``traffic`` (bytes per axis, last step), ``pp_sent``
-    (bytes), ``param_bytes`` (of which ``expert_param_bytes`` in experts split over ep)
-    and ``peak_saved`` (activation bytes, last step).
+    Returns ``rank``, ``schedule``, ``coord`` (index per axis), ``groups`` (global ranks
+    per axis), ``losses`` (per step, last stage; None elsewhere), ``grads`` (per step, by
+    full-model name, this rank's shard), ``params`` (after the last step), ``split``
+    (dimension each parameter is cut along). With ``record``: ``spans`` of the last step
+    (compute, pp send/recv, each axis' collectives), ``traffic`` (bytes per axis, last
+    step), ``pp_sent`` (bytes), ``param_bytes`` (of which ``expert_param_bytes`` in experts
+    split over ep) and ``peak_saved`` (activation bytes, last step).
     """
     cfg = cfg or ModelConfig()
     mesh = Mesh(Layout.of(layout))
@@ -81,6 +81,7 @@ def rank_train_nd(layout: Layout | Mapping[str, int], *, cfg: ModelConfig | None
     # stage's gradients are complete only after its last microbatch's backward.
     sync = MeshGradientSync(stage, mesh)
     out: dict[str, Any] = {"rank": mesh.rank, "device": str(dev), "backend": dist.get_backend(),
+                           "schedule": schedule,
                            "coord": {a: mesh.coord(a) for a in mesh.axes},
                            "groups": {a: mesh.ranks(a) for a in mesh.axes},
                            "losses": [], "grads": [], "split": stage_split_dims(stage)}
@@ -152,7 +153,14 @@ def bytes_per_axis(layout: Layout | Mapping[str, int], results: Sequence[dict[st
     :func:`axis_traffic` counts a collective) and pp (its pipeline sends), against
     :func:`parlib.cost.mesh_sent_bytes_per_step` for its stage and its parameters; on ep,
     the bytes put into the all-to-alls, the mean over the rank's ep group (a rank's own
-    share depends on the routing, the mean does not)."""
+    share depends on the routing, the mean does not). Not for a schedule that splits the
+    backward (zb-h1): its W walks each microbatch's graph again, so every collective
+    inside a layer's backward (the ring's, the all-to-alls, f's) runs twice."""
+    split = {r.get("schedule") for r in results} & {"zb-h1"}
+    if split:
+        raise ValueError(f"bytes_per_axis predicts a step without split backward; this run "
+                         f"used {split.pop()}, whose W repeats the backward's collectives: "
+                         f"run it with schedule='1f1b' or 'gpipe'")
     layout = Layout.of(layout)
     out: dict[int, dict[str, tuple[float, float]]] = {}
     for r in results:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -124,3 +125,19 @@ def test_five_axes_with_experts_equal_single_device(moe_reference):
     results = run_nd(layout)
     check_nd(layout, results, moe_reference)
     assert all(r["traffic"]["dp"]["sent_bytes"] > 0 for r in results)
+
+
+def test_bad_input_gets_a_clear_error():
+    from parlib.strategies import combined as S
+
+    # a Layout has the sizes build_nd's check reads off the mesh
+    with pytest.raises(ValueError, match="ep=4: build_nd places ep over the cp ranks"):
+        S._check_mesh(Layout(dp=4, cp=2, ep=4), MOE, "zigzag")
+    with pytest.raises(ValueError, match="the model is dense"):
+        S._check_mesh(Layout(cp=2, ep=2), CFG, "zigzag")
+    with pytest.raises(ValueError, match="does not split into 8 equal chunks"):
+        S._check_mesh(Layout(cp=4, ep=4), dataclasses.replace(MOE, seq_len=12), "zigzag")
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        S.train_step_nd(None, None, None, None, None, 2, schedule="interleaved")
+    with pytest.raises(ValueError, match="zb-h1, whose W repeats"):
+        C.bytes_per_axis(Layout(pp=2), [{"schedule": "zb-h1"}], MOE, BATCH, M)
