@@ -141,3 +141,17 @@ def test_bad_input_gets_a_clear_error():
         S.train_step_nd(None, None, None, None, None, 2, schedule="interleaved")
     with pytest.raises(ValueError, match="zb-h1, whose W repeats"):
         C.bytes_per_axis(Layout(pp=2), [{"schedule": "zb-h1"}], MOE, BATCH, M)
+
+
+def test_mesh_bytes_name_the_axes_that_split_and_an_moe_halves_tp():
+    from parlib import cost
+
+    sizes = dict(b=2, s=16, h=32, m=2, layers=1, stage=0, shared_param_bytes=1000)
+    assert set(cost.mesh_sent_bytes_per_step(Layout(tp=2, pp=2), **sizes)) == {"tp", "pp"}
+    dense = cost.mesh_sent_bytes_per_step(Layout(tp=2, cp=2), **sizes)
+    moe = cost.mesh_sent_bytes_per_step(Layout(tp=2, cp=2, ep=2), **sizes, n_experts=4,
+                                        top_k=2)
+    assert moe["tp"] == dense["tp"] / 2 and moe["cp"] == dense["cp"] and "ep" in moe
+    # the loss is all-reduced on the last stage only
+    last = cost.mesh_sent_bytes_per_step(Layout(dp=2, pp=2), **{**sizes, "stage": 1})
+    assert last["dp"] - cost.mesh_sent_bytes_per_step(Layout(dp=2, pp=2), **sizes)["dp"] == 4
