@@ -478,3 +478,65 @@ def draw_schedule_lab(runs: Sequence[Any], caption: str = "", unit: str = "ms"):
 
 
 __all__ += ["draw_schedule_lab"]
+
+
+# --------------------------------------------------------------------------------------
+# One rank's step, one row per axis
+# --------------------------------------------------------------------------------------
+
+AXIS_ROW_ORDER = ("tp", "cp", "ep", "dp", "pp")  # fastest-varying first, the pipeline last
+
+
+def draw_axis_rows(spans: Iterable[Span], ax: Any = None, *, title: str | None = None,
+                   caption: str = "", bytes_by_axis: dict[str, float] | None = None,
+                   unit: str = "ms") -> Any:
+    """One rank's step with one row per parallelism axis: its compute on top (forward,
+    backward, coloured as everywhere), then each axis' communication in the
+    communication colour (hatched as :data:`AXIS_STYLE` hatches it), in
+    :data:`AXIS_ROW_ORDER`; the pp row holds the pipeline's sends and receives (a receive
+    includes its wait). Only axes with spans get a row. ``bytes_by_axis``: bytes per axis,
+    written into the row labels. Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+
+    from parlib.measure.tables import fmt_bytes
+
+    spans = list(spans)
+    scale = {"ms": 1e3, "s": 1.0}[unit]
+    t0 = min((x.start for x in spans), default=0.0)
+
+    def row_of(x: Span) -> str | None:
+        if x.kind in COMPUTE:
+            return "compute"
+        return "pp" if x.kind in _POINT_TO_POINT else (x.kind if x.kind in AXES else None)
+
+    rows = ["compute"] + [a for a in AXIS_ROW_ORDER if any(row_of(x) == a for x in spans)]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.2))
+    for i, row in enumerate(rows):
+        y = len(rows) - 1 - i
+        for x in (x for x in spans if row_of(x) == row):
+            colour = COLORS[x.kind] if row == "compute" else COLORS["comm"]
+            hatch = AXIS_STYLE.get(row, (None, None))[1] if row != "compute" else None
+            ax.broken_barh([((x.start - t0) * scale, max(x.duration * scale, 1e-3))],
+                           (y - 0.35, 0.7), facecolors=colour, hatch=hatch,
+                           edgecolors="white", linewidth=0.4)
+    labels = []
+    for row in rows:
+        calls = sum(row_of(x) == row for x in spans)
+        what = "messages" if row == "pp" else "calls"
+        extra = (f", {fmt_bytes(bytes_by_axis[row])}"
+                 if bytes_by_axis and row in bytes_by_axis else "")
+        labels.append(row if row == "compute" else f"{row} ({calls} {what}{extra})")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(list(reversed(labels)))
+    ax.set_xlabel({"ms": "time (ms)", "s": "time (s)"}[unit])
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in COMPUTE
+                       if any(x.kind == k for x in spans)],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    _tidy(ax, "\n".join(t for t in (title, caption) if t))
+    return ax
+
+
+__all__ += ["AXIS_ROW_ORDER", "draw_axis_rows"]

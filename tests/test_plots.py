@@ -95,3 +95,28 @@ def test_timelines_on_a_shared_time_axis_show_every_step_in_full():
     alone = draw_timeline([[Span(0, "forward", 0.0, 0.1, 0)]])  # not shared: its own step
     assert alone.get_xlim()[1] < 1e3 * 0.2
     plt.close("all")
+
+
+def test_axis_rows_put_each_axis_traffic_on_its_own_row():
+    import matplotlib.pyplot as plt
+
+    from parlib.measure.timeline import Span
+    from parlib.plots import draw_axis_rows
+
+    spans = [Span(0, "forward", 0.0, 1.0, 0), Span(0, "tp", 0.2, 0.3), Span(0, "cp", 0.4, 0.5),
+             Span(0, "cp", 0.6, 0.7), Span(0, "ep", 0.8, 0.9), Span(0, "send", 1.0, 1.1),
+             Span(0, "backward", 1.1, 2.0, 0), Span(0, "dp", 2.0, 2.5)]
+    ax = draw_axis_rows(spans, unit="s", title="one step", caption="1 rank, CPU, gloo",
+                        bytes_by_axis={"cp": 2048})
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    # top first: compute, then tp, cp, ep, dp, pp (the pipeline's send)
+    assert labels[::-1] == ["compute", "tp (1 calls)", "cp (2 calls, 2.00 KiB)",
+                            "ep (1 calls)", "dp (1 calls)", "pp (1 messages)"]
+    rows = {}  # y of each drawn box's centre -> its left edges
+    for c in ax.collections:
+        for path in c.get_paths():
+            (x0, y0), (_, y1) = path.get_extents().get_points()
+            rows.setdefault(round((y0 + y1) / 2), []).append(round(x0, 2))
+    assert sorted(rows[5]) == [0.0, 1.1] and rows[3] == [0.4, 0.6] and rows[0] == [1.0]
+    assert ax.get_title() == "one step\n1 rank, CPU, gloo"
+    plt.close("all")

@@ -16,6 +16,7 @@
   strategy, and the checkpoint interval that loses least time (Young/Daly).
 - :mod:`parlib.cost.experts`: mixture-of-experts parameters per ep rank, all-to-all bytes,
   capacity and dropped tokens, compute per token, load imbalance.
+- :mod:`parlib.cost.combined`: bytes each axis sends per step when the five combine.
 
 Built on them, the choosing chapter's cost model:
 
@@ -51,6 +52,7 @@ from parlib.cost.collectives import (
     per_link_alpha_beta,
     predicted_sent_bytes,
 )
+from parlib.cost.combined import mesh_sent_bytes_per_step
 from parlib.cost.context import (
     all_gather_kv_sent_bytes_per_layer,
     causal_block_work,
@@ -142,6 +144,7 @@ __all__ = [
     "in_flight_microbatches",
     "kv_block_bytes",
     "logits_bytes",
+    "mesh_sent_bytes_per_step",
     "message_time",
     "microbatch_time",
     "min_microbatches",

@@ -24,10 +24,16 @@ def tp_message_bytes(b: int, s: int, h: int, dtype_bytes: int = 4) -> int:
 
 
 def tp_sent_bytes_per_layer(b: int, s: int, h: int, t: int, dtype_bytes: int = 4,
-                            passes: tuple[str, ...] = ("forward", "backward")) -> float:
+                            passes: tuple[str, ...] = ("forward", "backward"), *,
+                            split_mlp: bool = True) -> float:
     """Bytes one rank sends per transformer layer per step under t-way tensor
-    parallelism: 2 all-reduces in forward and 2 in backward, each 2(t-1)/t x b*s*h*bytes."""
+    parallelism: 2 all-reduces in forward and 2 in backward, each 2(t-1)/t x b*s*h*bytes.
+    ``split_mlp=False``: the MLP is not split (a mixture of experts that every rank runs
+    whole, :func:`parlib.strategies.tensor.tensor_parallel_block`), only attention's one
+    all-reduce each way remains."""
     count = sum(ALL_REDUCES_PER_LAYER[p] for p in passes)
+    if not split_mlp:
+        count //= 2  # one of the two per pass is the MLP's
     return count * predicted_sent_bytes("all_reduce", tp_message_bytes(b, s, h, dtype_bytes), t)
 
 

@@ -31,11 +31,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from parlib.cost.layout import AXIS_NAMES
+from parlib.cost.layout import ALL_AXIS_NAMES
 
 COMPUTE = ("forward", "backward", "weight")  # weight: a split backward's W
-# Communication on one parallelism axis' group: the axes are the cost layer's table.
-AXES = AXIS_NAMES
+# Communication on one parallelism axis' group: the axes are the cost layer's table (the
+# borrowed ep too: its all-to-alls run on groups of their own).
+AXES = ALL_AXIS_NAMES
 COMM = ("send", "recv", *AXES)
 KINDS = (*COMPUTE, *COMM, "idle")
 

@@ -223,7 +223,13 @@ class TensorParallelMLP(MLP):
 
 def tensor_parallel_block(block: Block, group: Any = None,
                           sequence_parallel: bool = False) -> Block:
-    """A copy of ``block`` with its attention and MLP split over ``group``."""
+    """A copy of ``block`` with its attention and MLP split over ``group``. A mixture of
+    experts in place of the MLP is copied whole: every rank of ``group`` runs it on the same
+    (replicated) input, so it needs no tensor-parallel message (its experts are split over
+    an expert-parallel group instead, :mod:`parlib.strategies.experts`)."""
+    if sequence_parallel and not isinstance(block.mlp, MLP):
+        raise ValueError("sequence parallelism splits the MLP's input along s; a block with "
+                         "a mixture of experts runs it whole: use sequence_parallel=False")
     new = Block.__new__(Block)  # Block.forward unchanged; its children are replaced
     nn.Module.__init__(new)
     for name in ("ln1", "attn", "ln2", "mlp"):  # model order, so parameters list alike
@@ -231,7 +237,8 @@ def tensor_parallel_block(block: Block, group: Any = None,
         if name == "attn":
             child = TensorParallelAttention(child, group, sequence_parallel)
         elif name == "mlp":
-            child = TensorParallelMLP(child, group, sequence_parallel)
+            child = (TensorParallelMLP(child, group, sequence_parallel)
+                     if isinstance(child, MLP) else copy.deepcopy(child))
         elif sequence_parallel:
             child = SequenceParallelLayerNorm.from_layernorm(child, group)
         else:
