@@ -194,6 +194,15 @@ class Estimate:
     stage_layers: list[int] = field(default_factory=list)
     binding: str = field(default="")
     crossing: dict[str, float] = field(default_factory=dict)
+    shard_group: int = field(default=0)  # HSDP: ZeRO-3 over groups of this many (0: not)
+
+    @property
+    def sharding(self) -> str:
+        """How the model state is sharded, in words: "" (not), "ZeRO-2", or HSDP's groups."""
+        if self.shard_group:
+            copies = self.layout.dp * self.layout.cp // self.shard_group
+            return f"HSDP (ZeRO-3 over {self.shard_group}, {copies} copies)"
+        return f"ZeRO-{self.zero}" if self.zero else ""
 
     @property
     def memory_total(self) -> float:
@@ -256,7 +265,7 @@ class Estimate:
 
     def __str__(self) -> str:
         rc = {False: "", "selective": ", selective recompute", True: ", full recompute"}
-        zero = f", ZeRO-{self.zero}" if self.zero else ""
+        zero = f", {self.sharding}" if self.zero else ""
         return (f"{self.name} m={self.m}{zero}{rc[self.recompute]}: "
                 f"{self.memory_total / GB:.1f} GB, step {self.step_time:.3g} s, "
                 f"MFU {self.mfu:.0%}" + (f" ({self.reason})" if self.reason else ""))
@@ -267,7 +276,8 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
              sequence_parallel: bool = True, mixed_precision: bool = True,
              dp_overlap: bool = True, replicated_head: bool = False,
              extra_recompute_flops_per_token: float = 0.0,
-             grad_reduce_bytes: int | None = None, fused_attention: bool = False) -> Estimate:
+             grad_reduce_bytes: int | None = None, fused_attention: bool = False,
+             shard_group: int | None = None) -> Estimate:
     """Predict one layout, e.g. ``Layout(dp=8, tp=8)`` (a mapping of axis sizes is taken as
     one): m microbatches per step per data-parallel rank, ``global_batch`` sequences per
     step, v model chunks per pipeline rank (v > 1: the interleaved schedule).
@@ -295,6 +305,10 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     ``fused_attention=True``: attention runs as one fused kernel (FlashAttention) whatever
     ``recompute`` says, so no layer stores or streams its s x s scores; by default only
     "selective" (and context parallelism's blockwise attention) keeps them on chip.
+    ``shard_group=s`` (with ``zero=3``): HSDP, ZeRO-3 inside groups of s consecutive ranks
+    of the d x c data-parallel ranks (best inside a node), the d x c / s copies replicated:
+    the gathers and reduce-scatters run in the shard group, then one all-reduce of each
+    unit's 1/s gradient piece across the copies (:func:`hsdp_collectives`).
     Raises ValueError naming the problem for a layout that cannot exist.
     """
     check_inputs(model, hardware)
@@ -318,10 +332,13 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
                          f"{grad_reduce_bytes!r}")
     if not isinstance(fused_attention, bool):
         raise ValueError(f"fused_attention must be True or False, got {fused_attention!r}")
+    if shard_group is not None:
+        check_hsdp(layout, zero, shard_group)
     est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                     sequence_parallel, mixed_precision, dp_overlap,
                     replicated_head=replicated_head, extra_recompute_flops_per_token=extra,
-                    grad_reduce_bytes=grad_reduce_bytes, fused_attention=fused_attention)
+                    grad_reduce_bytes=grad_reduce_bytes, fused_attention=fused_attention,
+                    shard_group=shard_group or 0)
     est.reason = est.describe()
     return est
 
@@ -371,6 +388,22 @@ def check_layout(model: Model, n_devices: int, layout: Layout, *, m: int,
                          f" = {d * m}: each data-parallel rank runs m equal microbatches")
 
 
+def check_hsdp(layout: Layout, zero: int, shard_group: int) -> None:
+    """A ValueError naming the problem when HSDP with groups of ``shard_group`` ranks
+    cannot run on ``layout``."""
+    copies = layout.dp * layout.cp
+    if isinstance(shard_group, bool) or not isinstance(shard_group, int) or shard_group < 1:
+        raise ValueError(f"shard_group must be a whole number >= 1, got {shard_group!r}")
+    if zero != 3:
+        raise ValueError(f"shard_group={shard_group} is HSDP, ZeRO-3 inside each shard group: "
+                         f"pass zero=3 (got zero={zero})")
+    if layout.ep > 1:
+        raise ValueError("shard_group: HSDP is modelled for dense models (ep = 1) only")
+    if copies % shard_group:
+        raise ValueError(f"shard_group={shard_group} does not divide the d x c = {copies} "
+                         f"data-parallel ranks it groups")
+
+
 def check_inputs(model: Model, hardware: Hardware) -> None:
     """A clear error when the model or hardware is of the wrong kind."""
     if not isinstance(model, Model):
@@ -406,6 +439,7 @@ class _Step:
     links: dict[str, Any]
     rings: dict[str, Any]
     fused_attention: bool = False
+    shard_group: int = 0  # HSDP: ZeRO-3 over groups of this many sync ranks (0: not HSDP)
 
     @property
     def full(self) -> bool:
@@ -435,7 +469,8 @@ class _Step:
 
 def _step(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
           global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
-          mixed_precision: bool, fused_attention: bool = False) -> _Step:
+          mixed_precision: bool, fused_attention: bool = False,
+          shard_group: int = 0) -> _Step:
     d, t, c = layout.dp, layout.tp, layout.cp
     spans = _spans(layout)
     # ring collectives (TP's all-reduces, the gradient sync over d x c) share a node's NICs
@@ -446,8 +481,19 @@ def _step(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                  per_stage=_stage_layers(model.n_layers, layout.pp, v), spans=spans,
                  links={k: hardware.link_for(span) for k, span in spans.items()},
                  rings={"tp": hardware.ring_link(spans["tp"], t),
-                        "sync": hardware.ring_link(sync_span, d * c)},
-                 fused_attention=fused_attention)
+                        "sync": hardware.ring_link(sync_span, d * c),
+                        **_hsdp_rings(hardware, t, sync_span, d * c, shard_group)},
+                 fused_attention=fused_attention, shard_group=shard_group)
+
+
+def _hsdp_rings(hardware: Hardware, t: int, sync_span: int, sync: int, shard: int
+                ) -> dict[str, Any]:
+    """HSDP's two rings: a shard group, s sync ranks t apart (s x t consecutive ranks), and
+    a replicate group, sync / s ranks strided over the whole sync span."""
+    if not shard:
+        return {}
+    return {"shard": hardware.ring_link(shard * t, shard),
+            "replicate": hardware.ring_link(sync_span, sync // shard)}
 
 
 def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
@@ -456,13 +502,13 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               only_if_fits: bool = False, replicated_head: bool = False,
               extra_recompute_flops_per_token: float = 0.0,
               grad_reduce_bytes: int | None = None,
-              fused_attention: bool = False) -> Estimate | None:
+              fused_attention: bool = False, shard_group: int = 0) -> Estimate | None:
     """The estimate, inputs already checked (the planner calls this directly, with
     ``only_if_fits``: None, before any time is worked out, when the memory does not fit).
     One helper per part, in the order of a step: memory, compute, memory-bound work and
     the optimizer step, then each axis' communication (tp, cp, ep, pp, dp)."""
     step = _step(model, hardware, layout, m, v, global_batch, zero, recompute,
-                 sequence_parallel, mixed_precision, fused_attention)
+                 sequence_parallel, mixed_precision, fused_attention, shard_group)
     total, stage, params_per_device, experts_per_device, memory = _memory(step,
                                                                           replicated_head)
     if only_if_fits and total > hardware.memory_bytes:
@@ -504,8 +550,11 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                     model_flops=model_flops, hardware_flops=hardware_flops,
                     stage_layers=list(step.per_stage),
                     crossing={"tp": hardware.ring_crossing_share(step.spans["tp"], layout.tp),
-                              "dp": hardware.ring_crossing_share(sync_span,
-                                                                 layout.dp * layout.cp)})
+                              "dp": (_hsdp_crossing(step, params_per_device,
+                                                    grad_reduce_bytes) if shard_group else
+                                     hardware.ring_crossing_share(sync_span,
+                                                                  layout.dp * layout.cp))},
+                    shard_group=shard_group)
 
 
 # ---- memory: of the first, the last and the fullest middle stages; the largest counts
@@ -580,7 +629,8 @@ def _memory(step: _Step, replicated_head: bool
     per_layer, working, logits = _activations(step)
     candidates = []
     for stage, (layers, held, params) in _stages(step, replicated_head).items():
-        states = model_state_bytes_by_kind(params / t, d * c, step.zero, step.mixed_precision)
+        states = model_state_bytes_by_kind(params / t, step.shard_group or d * c, step.zero,
+                                           step.mixed_precision)
         if expert_layer:
             experts = model_state_bytes_by_kind(layers * expert_layer / t, d * c // e,
                                                 step.zero, step.mixed_precision)
@@ -765,6 +815,8 @@ def _data_parallel(step: _Step, busy: float, flops: tuple[float, float],
     over their d x c / e copies): (seconds, of them hidden behind backward, bytes).
     ``flops``: the step's (model, hardware) FLOPs, whose ratio is the share of ``busy``
     that makes gradients."""
+    if step.shard_group:
+        return _hsdp_data_parallel(step, busy, flops, params_per_device, grad_reduce_bytes)
     model_flops, hardware_flops = flops
     ops_seconds, forward_gathers, exposed_floor, sent = _sync_collectives_timed(
         step, params_per_device, experts_per_device, grad_reduce_bytes)
@@ -821,6 +873,86 @@ def _sync_collectives_timed(step: _Step, params_per_device: float, experts_per_d
         total += sum(seconds)
         sent += sum(k * predicted_sent_bytes(op, nbytes, group) for k, op, nbytes in ops)
     return total, forward_gathers, exposed_floor, sent
+
+
+def _hsdp_data_parallel(step: _Step, busy: float, flops: tuple[float, float],
+                        weights: float, grad_reduce_bytes: int | None
+                        ) -> tuple[float, float, float]:
+    """:func:`_data_parallel` for HSDP (a dense model): (seconds, hidden, bytes). ZeRO-3's
+    collectives in the shard group hide as ZeRO-3's do; the all-reduces across the copies
+    run on other links (the NICs) during the last microbatch's backward (the pieces
+    accumulate before it), so they hide behind that backward alone."""
+    seconds, forward_gathers, exposed, sent = _hsdp_collectives_timed(step, weights,
+                                                                      grad_reduce_bytes)
+    model_flops, hardware_flops = flops
+    forward = busy * model_flops / (1 + BACKWARD_PER_FORWARD) / hardware_flops
+    last_backward = busy * (model_flops / hardware_flops) * (2 / 3) / step.m
+    hidden = (min(forward_gathers, forward)
+              + min(seconds["shard"] - forward_gathers, busy - forward)
+              + min(seconds["replicate"], last_backward))
+    total = seconds["shard"] + seconds["replicate"]
+    return total, max(0.0, min(hidden, total - exposed)), sum(sent.values())
+
+
+def _hsdp_collectives_timed(step: _Step, weights: float, grad_reduce_bytes: int | None
+                            ) -> tuple[dict[str, float], float, float, dict[str, float]]:
+    """HSDP's collectives (:func:`hsdp_collectives`) timed, each on its group's ring: (seconds
+    by axis, the forwards' gathers among them, the part no compute can hide, bytes sent by
+    axis; the axes "shard" and "replicate")."""
+    s, t = step.shard_group, step.layout.tp
+    copies, unit = step.layout.dp * step.layout.cp // s, _layer_weights(step)[0] / t
+    root = max(0.0, weights - step.slowest * unit)
+    per = model_state_bytes_by_kind(weights, 1, 0, step.mixed_precision)
+    grad_bytes = per["grads"] / weights if grad_reduce_bytes is None else grad_reduce_bytes
+    param_bytes = per["params"] / weights
+    size = {"shard": s, "replicate": copies}
+
+    def time(op: str, nbytes: float, axis: str) -> float:
+        ring = step.rings[axis]
+        return collective_time(op, nbytes, size[axis], ring.alpha, ring.beta,
+                               half_bytes=step.hardware.collective_half_bytes,
+                               algorithm="nccl")
+
+    seconds, sent = {"shard": 0.0, "replicate": 0.0}, {"shard": 0.0, "replicate": 0.0}
+    ops = hsdp_collectives(step.slowest, unit, root, s, step.m, grad_bytes, param_bytes)
+    for k, op, nbytes, axis in ops:
+        seconds[axis] += k * time(op, nbytes, axis)
+        sent[axis] += k * predicted_sent_bytes(op, nbytes, size[axis])
+    forward_gathers = sum(k * time(op, nbytes, axis) for k, op, nbytes, axis in ops[:2])
+    # the first gather of each forward and backward, the last reduce-scatter and all-reduce
+    exposed = step.m * sum(time(op, unit * nb, "shard") for op, nb in (
+        ("all_gather", param_bytes), ("all_gather", param_bytes),
+        ("reduce_scatter", grad_bytes))) + time("all_reduce", unit / s * grad_bytes,
+                                                "replicate")
+    return seconds, forward_gathers, exposed, sent
+
+
+def _hsdp_crossing(step: _Step, weights: float, grad_reduce_bytes: int | None) -> float:
+    """The share of HSDP's sync bytes that leave the node: each group's ring share
+    (:meth:`Hardware.ring_crossing_share`), weighted by the bytes it sends."""
+    sent = _hsdp_collectives_timed(step, weights, grad_reduce_bytes)[3]
+    t, s, sync = step.layout.tp, step.shard_group, step.layout.dp * step.layout.cp
+    sync_span = sync * t
+    share = {"shard": step.hardware.ring_crossing_share(s * t, s),
+             "replicate": step.hardware.ring_crossing_share(sync_span, sync // s)}
+    total = sum(sent.values())
+    return sum(sent[a] * share[a] for a in sent) / total if total else 0.0
+
+
+def hsdp_collectives(layers: int, unit_weights: float, root_weights: float, shard: int,
+                     m: int, grad_bytes: float, param_bytes: float
+                     ) -> list[tuple[int, str, float, str]]:
+    """HSDP's sync of one step as (count, op, bytes of one collective, axis): ZeRO-3's six
+    entries (:func:`sync_collectives`) on the ``"shard"`` group of ``shard`` ranks, then one
+    all-reduce per unit of its 1/s gradient piece on the ``"replicate"`` group, once a step
+    (the pieces accumulate over the m microbatches, as FSDP2's
+    ``set_requires_all_reduce(False)`` on all but the last). For m = 1 its bytes are
+    :func:`parlib.cost.sharded.hsdp_sent_bytes_per_step`'s."""
+    zero3 = sync_collectives(layers, unit_weights, root_weights, shard, 3, m, grad_bytes,
+                             param_bytes)
+    units = ((layers, unit_weights), (int(bool(root_weights)), root_weights))
+    return ([(k, op, nbytes, "shard") for k, op, nbytes in zero3]
+            + [(k, "all_reduce", w / shard * grad_bytes, "replicate") for k, w in units])
 
 
 # Megatron-LM's gradient buckets: max(40M, 1M x data-parallel size) elements per bucket
@@ -925,4 +1057,4 @@ def _where(hardware: Hardware, span: int, degree: int) -> str:
 
 __all__ = ["BUCKET_ELEMENTS", "BUCKET_ELEMENTS_PER_RANK", "MEMORY_PARTS", "RECOMPUTE",
            "STEP_PARTS", "ZERO3_WITH_PIPELINE", "Estimate", "bucket_elements", "check_layout",
-           "estimate", "sync_collectives"]
+           "check_hsdp", "estimate", "hsdp_collectives", "sync_collectives"]

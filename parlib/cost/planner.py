@@ -77,7 +77,7 @@ def candidate_layouts(model: Model, hardware: Hardware, global_batch: int
 
 
 def _simplicity(est: Estimate) -> tuple:
-    return (est.zero, RECOMPUTE.index(est.recompute), est.m, est.v)
+    return (est.zero, bool(est.shard_group), RECOMPUTE.index(est.recompute), est.m, est.v)
 
 
 def _faster(a: Estimate, b: Estimate) -> bool:
@@ -94,8 +94,9 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
     :class:`Estimate` per layout, at its best setting.
 
     Searched: t, p (uneven stages included), c, d, e (mixtures of experts only), m (so the
-    microbatch size, global_batch / (d x m)), v, ZeRO 0-3 (0-2 with a pipeline) and
-    recomputation (none, selective, full). Inputs, not searched: ``mixed_precision`` (the
+    microbatch size, global_batch / (d x m)), v, ZeRO 0-3 (0-2 with a pipeline), HSDP
+    where the data-parallel ranks span nodes (:func:`hsdp_shard_group`) and recomputation
+    (none, selective, full). Inputs, not searched: ``mixed_precision`` (the
     cost model has one compute rate, the training dtype's, so fp32 would only look bigger,
     never faster) and ``sequence_parallel``. The picks' ``binding`` names what limits each
     (:func:`binding_constraint`), and their reason ends with it.
@@ -114,9 +115,10 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
     for layout, m, v in candidate_layouts(model, hardware, global_batch):
         split = _split(layout)
         for recompute in RECOMPUTE:
-            for zero in _zero_stages(layout):
+            for zero, shard in _sharding_options(layout, hardware):
                 est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
-                                sequence_parallel, mixed_precision, only_if_fits=True)
+                                sequence_parallel, mixed_precision, only_if_fits=True,
+                                shard_group=shard)
                 if est is None:
                     continue
                 if zero == 0 and recompute is False:
@@ -125,12 +127,31 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
                     smallest_split_that_fits = split
                 if layout not in best or _faster(est, best[layout]):
                     best[layout] = est
-                break  # a higher ZeRO stage only adds traffic once this one fits
+                if not shard:
+                    break  # a higher ZeRO stage only adds traffic once this one fits
     ranked = sorted(best.values(), key=lambda e: (e.step_time, _simplicity(e)))[:top]
     for est in ranked:
         est.binding = binding_constraint(est, needed_help=est.layout not in plain_fits)
         est.reason = _reason(est, smallest_split_that_fits, best)
     return ranked
+
+
+def hsdp_shard_group(layout: Layout, hardware: Hardware) -> int | None:
+    """The shard group HSDP is tried with: the most data-parallel ranks whose group stays in
+    one node (s x t consecutive ranks), where the d x c ranks span nodes, ZeRO-3 is allowed
+    (no pipeline) and the model is dense (ep = 1); None where HSDP is not tried."""
+    sync, t = layout.dp * layout.cp, layout.tp
+    if layout.pp > 1 or layout.ep > 1 or sync == 1 or hardware.in_one_node(sync * t):
+        return None
+    fits = [s for s in divisors(sync) if 1 < s < sync and hardware.in_one_node(s * t)]
+    return max(fits) if fits else None
+
+
+def _sharding_options(layout: Layout, hardware: Hardware) -> list[tuple[int, int]]:
+    """(zero, shard_group) to try, in order: HSDP first (always tried: its traffic is not
+    ordered with the stages'), then ZeRO 0, 1, ... up to the first that fits."""
+    shard = hsdp_shard_group(layout, hardware)
+    return [(3, shard)] * bool(shard) + [(zero, 0) for zero in _zero_stages(layout)]
 
 
 def _zero_stages(layout: Layout) -> tuple[int, ...]:
@@ -166,7 +187,7 @@ def binding_constraint(est: Estimate, needed_help: bool | None = None) -> str:
     from the estimate, where ZeRO or full recomputation count as needed."""
     if needed_help is None:
         needed_help = bool(est.zero) or est.recompute is True
-    needed = ([f"ZeRO-{est.zero}"] * bool(est.zero) + ["recomputation"] * bool(est.recompute)
+    needed = ([est.sharding] * bool(est.zero) + ["recomputation"] * bool(est.recompute)
               if needed_help else [])
     used = est.memory_total / est.hardware.memory_bytes
     if needed or used > MEMORY_BINDS_ABOVE:
@@ -195,7 +216,7 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
     cap = est.hardware.memory_bytes
     pure = "pure data parallelism" if est.layout.cp == 1 else "data and context parallelism"
     if split == 1 and est.zero:
-        why = f"{pure}, the model state sharded by ZeRO-{est.zero}"
+        why = f"{pure}, the model state sharded by {est.sharding}"
     elif split == 1:
         why = (f"{pure}: a whole copy fits on one device "
                f"({est.memory_total / GB:.1f} of {cap / GB:.0f} GB)")
@@ -205,7 +226,7 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
         rival = min((e for e in best.values() if _split(e.layout) == smallest_split),
                     key=lambda e: e.step_time)
         ratio = rival.step_time / est.step_time
-        name = rival.name + (f" with ZeRO-{rival.zero}" if rival.zero else "")
+        name = rival.name + (f" with {rival.sharding}" if rival.zero else "")
         if ratio > 1:
             gain = max(STEP_PARTS, key=lambda k: rival.time[k] - est.time[k])
             why = (f"splits {split} ways though {smallest_split} would fit: "
@@ -231,7 +252,7 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
         parts.append(f"m = {est.m}" + (f", v = {est.v}" if est.v > 1 else "")
                      + f": bubble {bubble:.0%}")
     if est.zero and split > 1:
-        parts.append(f"ZeRO-{est.zero} to fit")
+        parts.append(f"{est.sharding} to fit")
     if est.recompute:
         kind = "full" if est.recompute is True else "selective"
         parts.append(f"{kind} recomputation" + (" to fit" if est.binding.startswith("memory (")
@@ -262,4 +283,4 @@ def experts_split_or_whole(model: Model, hardware: Hardware, *, global_batch: in
 
 __all__ = ["MAX_CP", "MEMORY_BINDS_ABOVE", "MIN_CP_POSITIONS", "OVERHEAD_WORTH_NAMING",
            "best_layouts", "binding_constraint", "candidate_layouts", "divisors",
-           "experts_split_or_whole"]
+           "experts_split_or_whole", "hsdp_shard_group"]

@@ -9,6 +9,7 @@ schedules, raced side by side), ``simulate`` (ideal schedule timelines), ``sched
 (every schedule measured next to its simulation and formula), ``combined`` (a 3-D run and
 its comparison with the reference), ``layouts`` (the choosing chapter's layouts),
 ``sharded`` (the ZeRO stages side by side: memory ledger, prefetch timeline, FSDP2),
+``hsdp`` (sharded inside a group, replicated across: bytes per axis),
 ``context`` (attention checks, the causal imbalance, the model with the sequence split) and
 ``experts`` (expert-parallel traffic, drops, imbalance and training).
 """

@@ -4,7 +4,9 @@
 point-to-point call made on one of the named groups (a mesh's ``dp``, ``tp``, ``pp``
 groups, or any other axis) is counted on that axis and, with a recorder, drawn as a span
 of kind ``"<axis>"`` (:data:`parlib.measure.timeline.AXES`). Calls on other groups pass
-through uncounted.
+through uncounted. HSDP's two data-parallel axes may be counted apart, as
+``"dp_shard"`` and ``"dp_replicate"`` (:data:`SUB_AXES`; torchtitan's names): their spans
+are drawn as ``"dp"``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ import torch.distributed as dist
 from parlib.measure.emulation import PacedCost
 from parlib.measure.intercept import Call, observing, on_wait
 from parlib.measure.timeline import AXES, Recorder, Span
+
+# axes counted on their own and drawn as the axis they split: HSDP's shard and replicate groups
+SUB_AXES = {"dp_shard": "dp", "dp_replicate": "dp"}
 
 
 class _AxisCounter:
@@ -52,7 +57,7 @@ class _AxisCounter:
             return result
 
         def done() -> None:
-            rec.spans.append(Span(rec.rank, axis, t0, rec.now()))
+            rec.spans.append(Span(rec.rank, SUB_AXES.get(axis, axis), t0, rec.now()))
 
         if call.async_op:
             return on_wait(result, done)
@@ -72,10 +77,11 @@ def axis_traffic(groups: Mapping[str, Any], recorder: Recorder | None = None,
     ends when it has been waited for). A ``pacer`` (emulated compute) is told when each
     call on a ``paced`` axis begins, with the communication recorded since its span began
     (tensor parallelism's all-reduces sit inside the forward; it needs the recorder)."""
-    unknown = [a for a in groups if a not in AXES]
+    unknown = [a for a in groups if a not in AXES and a not in SUB_AXES]
     if unknown:
         raise ValueError(f"unknown axis {', '.join(map(repr, unknown))}: timeline spans "
-                         f"are named after one of {', '.join(AXES)}")
+                         f"are named after one of {', '.join(AXES)} (or HSDP's "
+                         f"{', '.join(SUB_AXES)}, drawn as dp)")
     if pacer is not None and recorder is None:
         raise ValueError("a pacer needs the recorder: it is told the communication "
                          "seconds recorded since its span began")
@@ -84,4 +90,4 @@ def axis_traffic(groups: Mapping[str, Any], recorder: Recorder | None = None,
         yield counter.counts
 
 
-__all__ = ["axis_traffic"]
+__all__ = ["SUB_AXES", "axis_traffic"]

@@ -1,5 +1,6 @@
 """Ways to split training over ranks, one module per parallelism: ``data`` with
-``data_parallel`` and ``zero`` (ZeRO-1), ``sharded`` with ``fsdp`` (ZeRO-3) and ``Zero2``,
+``data_parallel`` and ``zero`` (ZeRO-1), ``sharded`` with ``fsdp`` (ZeRO-3 and HSDP; what it
+shards over which ranks in ``fsdp_layout``) and ``Zero2``,
 ``tensor`` with ``tensor_ops``, ``pipeline`` with ``schedules`` and ``schedule_check``,
 ``context`` with ``context_ops`` (ring attention), ``experts`` (expert parallelism),
 ``combined`` on a ``mesh``, and for long runs ``checkpoint`` (sharded save and load with

@@ -30,6 +30,11 @@ unit's all-gather (async) while this one computes, in forward and in backward.
 ``recompute=True`` wraps each block unit in ``torch.utils.checkpoint``: its forward then keeps
 only the unit's input, and in backward the recomputed forward gathers the weights (that *is*
 the second all-gather, so the bytes stay 3 x P x (N-1)/N).
+
+HSDP, ``FSDP(model, group=shard_group, replicate_group=copies)``: r copies of the model,
+each sharded s ways; the gathers and reduce-scatters above run in the shard group
+(3 x P x (s-1)/s), then one all-reduce of each 1/s gradient piece over the replicate group
+(2 x P/s x (r-1)/r; :func:`parlib.cost.sharded.hsdp_sent_bytes_per_step`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from parlib.comm import all_gather, rank_and_size, reduce_scatter
+from parlib.strategies.fsdp_layout import (
+    REPLICATE_RULES,
+    broadcast_over_mesh,
+    check_hsdp_groups,
+    norms_and_biases,
+    replicate_rule,
+    unit_names_of,
+)
 from parlib.strategies.zero import agree_on_model, broadcast_tensors
 
 COMPUTE_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -129,7 +142,9 @@ class Unit:
             offset += size
         mine = torch.empty(self.total, dtype=dtype, device=send.device)
         reduce_scatter(mine, send.view(-1), group=self.owner.group)
-        mine = mine.float().div_(n)  # the sum over ranks -> the average, in fp32
+        if self.owner.replicas > 1:  # HSDP: add the same piece's sums from the other copies
+            dist.all_reduce(mine, group=self.owner.replicate_group)
+        mine = mine.float().div_(n * self.owner.replicas)  # the sum -> the average, in fp32
         return list(mine.split(self.sizes))
 
     # backward's re-gather -------------------------------------------------------------
@@ -155,65 +170,19 @@ class GatherUnit(torch.autograd.Function):
         return (None, *ctx.unit.reduce_scatter_grads(grads))
 
 
-def norms_and_biases(name: str, param: nn.Parameter) -> bool:
-    """``replicate=`` rule: keep the 1-D parameters (norm weights, biases) whole (small)."""
-    return param.ndim == 1
-
-
-REPLICATE_RULES: dict[str, Callable[[str, nn.Parameter], bool]] = {
-    "norms_and_biases": norms_and_biases}
-
-
-def replicate_rule(replicate: Any, module: nn.Module
-                   ) -> Callable[[str, nn.Parameter], bool] | None:
-    """``replicate=`` as a ``(name, param) -> bool`` rule: a rule's name
-    (:data:`REPLICATE_RULES`), a callable, or a collection of parameter names (each one
-    must exist). Anything else is refused: a string taken as a collection of names would be
-    a set of characters, and replicate nothing."""
-    if replicate is None or callable(replicate):
-        return replicate
-    if isinstance(replicate, str):
-        if replicate not in REPLICATE_RULES:
-            raise ValueError(f"FSDP: replicate={replicate!r} names no rule; the rules are "
-                             f"{', '.join(map(repr, REPLICATE_RULES))} (or pass a "
-                             f"(name, param) -> bool function, or a list of parameter names)")
-        return REPLICATE_RULES[replicate]
-    if not isinstance(replicate, Collection) or not all(isinstance(n, str) for n in replicate):
-        raise TypeError(f"FSDP: replicate must be a rule's name, a (name, param) -> bool "
-                        f"function or a collection of parameter names, got {replicate!r}")
-    names = set(replicate)
-    unknown = sorted(names - {n for n, _ in module.named_parameters()})
-    if unknown:
-        raise ValueError(f"FSDP: replicate names parameters the module does not have: "
-                         f"{', '.join(unknown)}")
-    return lambda name, _p: name in names
-
-
-def _default_units(module: nn.Module) -> list[str]:
-    return [f"{name}.{i}" for name, child in module.named_modules()
-            if isinstance(child, nn.ModuleList) for i in range(len(child))]
-
-
-def unit_names_of(module: nn.Module, units: list[str] | None) -> list[str]:
-    """``units=`` checked: names of submodules that run a forward of their own. A container
-    (``nn.ModuleList``, ``nn.ModuleDict``) never does, so its weights would never be
-    gathered: it is refused, naming its children to pass instead."""
-    if units is None:
-        return _default_units(module)
-    if isinstance(units, str) or not all(isinstance(u, str) for u in units):
-        raise TypeError(f"FSDP: units takes a list of submodule names, e.g. ['blocks.0', "
-                        f"'blocks.1'] (the default: every block), got {units!r}")
-    for name in units:
-        sub = module.get_submodule(name)
-        if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
-            children = [f"{name}.{child}" for child, _ in sub.named_children()]
-            shown = ", ".join(map(repr, children[:3])) + (", ..." if len(children) > 3 else "")
-            raise ValueError(
-                f"FSDP: units names {name!r}, an nn.{type(sub).__name__}: a container never "
-                f"runs forward itself, so its weights would never be gathered. Pass its "
-                f"blocks, units=[{shown}], or leave units=None (every child of every "
-                f"ModuleList)")
-    return list(units)
+def _check_module(module: nn.Module, tensors: list[torch.Tensor], group: Any) -> None:
+    """Refuse, before any collective, a module FSDP cannot shard as it stands."""
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(f"FSDP: {type(module).__name__} has no trainable parameters")
+    devices = {t.device for t in tensors}
+    if len(devices) > 1 or any(d.type == "meta" for d in devices):
+        raise ValueError(f"FSDP: the module's tensors are on {sorted(map(str, devices))}; "
+                         "move the whole module to one device (parlib.device()) first")
+    if any(p.dtype != torch.float32 for p in module.parameters() if p.requires_grad):
+        raise ValueError("FSDP: trainable parameters must be fp32 (the master weights); "
+                         "pass compute_dtype for bf16/fp16 compute")
+    if dist.get_backend(group) == "nccl" and next(iter(devices)).type != "cuda":
+        raise ValueError("FSDP: the process group is NCCL but the module is on the CPU")
 
 
 class FSDP(nn.Module):
@@ -229,11 +198,16 @@ class FSDP(nn.Module):
     cast for the forward) and their gradients averaged by one all-reduce in
     :meth:`finish_gradient_synchronization`: a rule's name (``"norms_and_biases"``,
     :func:`norms_and_biases`), any ``(name, param) -> bool``, or a collection of names.
+    ``replicate_group``: HSDP (:mod:`parlib.strategies.fsdp_layout`). ``group`` is then
+    this rank's shard group (one copy of the model, sharded over it) and ``replicate_group``
+    the ranks holding the same shard in the other copies; each shard's gradient is
+    reduce-scattered in ``group``, then averaged over ``replicate_group`` (one all-reduce).
     Every rank must wrap the same model (names and shapes, checked before the broadcast)."""
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  units: list[str] | None = None, prefetch: bool = False,
-                 recompute: bool = False, group: Any = None, broadcast_from: int = 0,
+                 recompute: bool = False, group: Any = None, replicate_group: Any = None,
+                 broadcast_from: int = 0,
                  replicate: str | Callable[[str, nn.Parameter], bool] | Collection[str]
                  | None = None
                  ) -> None:
@@ -244,25 +218,21 @@ class FSDP(nn.Module):
             raise ValueError(f"FSDP: compute_dtype must be one of {COMPUTE_DTYPES}, "
                              f"got {compute_dtype!r}")
         self.rank, self.world_size = rank_and_size(group, "FSDP")
+        rows = None if replicate_group is None else check_hsdp_groups(group, replicate_group)
+        self.replicate_group = replicate_group
+        self.replicas = 1 if rows is None else len(rows)
         tensors = [*module.parameters(), *module.buffers()]
-        if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError(f"FSDP: {type(module).__name__} has no trainable parameters")
-        devices = {t.device for t in tensors}
-        if len(devices) > 1 or any(d.type == "meta" for d in devices):
-            raise ValueError(f"FSDP: the module's tensors are on {sorted(map(str, devices))}; "
-                             "move the whole module to one device (parlib.device()) first")
-        if any(p.dtype != torch.float32 for p in module.parameters() if p.requires_grad):
-            raise ValueError("FSDP: trainable parameters must be fp32 (the master weights); "
-                             "pass compute_dtype for bf16/fp16 compute")
-        backend = dist.get_backend(group)
-        if backend == "nccl" and next(iter(devices)).type != "cuda":
-            raise ValueError("FSDP: the process group is NCCL but the module is on the CPU")
+        _check_module(module, tensors, group)
         keep = replicate_rule(replicate, module)  # refused before any collective
         unit_names = unit_names_of(module, units)
         self.group, self.dtype = group, compute_dtype or torch.float32
         self.prefetch, self.recompute = prefetch, recompute
         agree_on_model("FSDP", module, group)
-        broadcast_tensors(tensors, broadcast_from, group)  # rank 0's weights everywhere
+        if rows is None:
+            broadcast_tensors(tensors, broadcast_from, group)  # rank 0's weights everywhere
+        else:
+            agree_on_model("FSDP", module, replicate_group)
+            broadcast_over_mesh(tensors, broadcast_from, group, replicate_group, rows)
         self.full_names = [n for n, _ in module.named_parameters()]  # tied ones once
         owner_of: dict[int, str] = {}  # parameter id -> unit ("" is the root)
         for uname in unit_names:
@@ -294,6 +264,15 @@ class FSDP(nn.Module):
             self.units.append(unit)
         for unit in self.units[1:]:
             self._wrap_forward(unit)
+        # Why storage pointers: autograd saves the gathered weights for backward (a matmul
+        # saves its weight, or a view of it: a transpose, a slice), and _pack must tell
+        # them from activations without keeping them alive. Every gathered weight has a
+        # storage of its own (Unit.gather copies it), and every view shares it, so the
+        # storage's address names the weight whatever view autograd saves; a note (unit,
+        # index, view geometry) replaces it and _unpack re-gathers. Why dropped when the
+        # unit's forward ends: then the unit's full weights are freed, and the allocator may
+        # hand their addresses to the next tensors (the next unit's weights, activations);
+        # a stale key would turn an activation into a note for the wrong weight.
         self._ptrs: dict[int, tuple[Unit, int]] = {}  # storage of a gathered weight -> where
 
     # forward ------------------------------------------------------------------------
@@ -385,7 +364,10 @@ class FSDP(nn.Module):
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                               for p in self.replicated])
             dist.all_reduce(flat, group=self.group)
-            pieces = flat.div_(self.world_size).split([p.numel() for p in self.replicated])
+            if self.replicas > 1:
+                dist.all_reduce(flat, group=self.replicate_group)
+            pieces = flat.div_(self.world_size * self.replicas).split(
+                [p.numel() for p in self.replicated])
             for p, g in zip(self.replicated, pieces):
                 p.grad = g.view_as(p)
 

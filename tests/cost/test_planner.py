@@ -55,11 +55,14 @@ def test_a_slow_inter_node_link_keeps_gradient_traffic_off_it():
     # backward; ZeRO-3's third pass, hidden too, would still slow the compute beside it
     assert on_fast.zero < 3
     assert on_fast.time["dp_sync_hidden"] == pytest.approx(on_fast.time["dp_sync_total"])
-    # slow: no ZeRO-3 (its second gather is the first traffic to go), and one microbatch,
-    # so the sync overlaps the whole backward, recomputation included (this model's
-    # gradients are fewer bytes than its 1024 x 4096 tokens' pipeline boundaries would be)
-    assert on_slow.zero < 3 and on_slow.m == 1, on_slow
-    assert on_slow.time["dp_sync_hidden"] > 10 * on_fast.time["dp_sync_hidden"]
+    # slow: no ZeRO-3 across nodes (its second gather is the first traffic to go); either
+    # HSDP, which keeps ZeRO-3's gathers inside a node and sends each node's 1/s gradient
+    # pieces between nodes once a step, or one microbatch, so that the sync overlaps the
+    # whole backward, recomputation included (this model's gradients are fewer bytes than
+    # its 1024 x 4096 tokens' pipeline boundaries would be)
+    if not on_slow.shard_group:
+        assert on_slow.zero < 3 and on_slow.m == 1, on_slow
+        assert on_slow.time["dp_sync_hidden"] > 10 * on_fast.time["dp_sync_hidden"]
     assert on_slow.inter_node_bytes <= on_fast.inter_node_bytes
 
 
