@@ -30,6 +30,24 @@ def load(target: str) -> Callable[..., Any]:
     return obj
 
 
+def this_attempts_store() -> Any:
+    """Under torchrun's agent store, the store's keys of this attempt only; None elsewhere.
+
+    With ``--rdzv-backend c10d`` (and ``--standalone``) the ranks share the agent's store,
+    which outlives a restart (``--max-restarts``): without a prefix of its own, a restarted
+    rank reads the address a rank of the failed attempt published and connects to a dead
+    port (refused, or a hang). TORCHELASTIC_RESTART_COUNT is the attempt, the same on
+    every rank torchrun restarts together."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False)
+    return dist.PrefixStore(f"parlib/attempt-{attempt}/", shared)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m parlib.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PARLIB_DEVICE"] = "cpu"
         torch.set_num_threads(threads_per_rank(local_world))
     os.environ["PARLIB_BACKEND"] = backend
-    dist.init_process_group(backend)
+    store = this_attempts_store()
+    if store is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     try:
         result = fn(*opts.args)
         print(f"[rank {dist.get_rank()}] returned {result!r}", flush=True)
@@ -67,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["load", "main"]
+__all__ = ["load", "main", "this_attempts_store"]
 
 
 if __name__ == "__main__":
