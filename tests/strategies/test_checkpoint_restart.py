@@ -16,6 +16,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+import parlib
+import parlib.examples.long_run as long_run
 from parlib.strategies.checkpoint import checkpoint_path, latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,3 +91,15 @@ def test_the_restarted_run_ends_bit_exactly_where_the_run_that_never_failed_ends
     assert any(k.startswith("optim.") and k.endswith("exp_avg") for k in got)
     assert all(torch.equal(got[k], want[k]) for k in want), \
         [k for k in want if not torch.equal(got[k], want[k])]
+
+
+def test_the_same_function_runs_from_a_notebook_and_a_second_launch_resumes(tmp_path):
+    """The example's docstring: ``parlib.launch(train, "ckpts", world_size=2)``; launched
+    again on the finished folder, it starts at the end and trains nothing."""
+    folder = str(tmp_path / "ckpts")
+    first = parlib.launch(long_run.train, folder, world_size=2, timeout=120)
+    again = parlib.launch(long_run.train, folder, world_size=2, timeout=120)
+    assert first == [{"started_at": 0, "ended_at": 8}] * 2
+    assert again == [{"started_at": 8, "ended_at": 8}] * 2
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == \
+        [f"step-0000000{k}" for k in (2, 4, 6, 8)]
