@@ -5,6 +5,8 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; this initialises the default
 process group from them (NCCL when every local rank has a GPU, else gloo), calls
 ``train(*args)`` (args are passed as strings) on every rank, and prints what it returned.
+Restarted by ``--max-restarts`` after a rank died, the ranks meet again under keys of the new
+attempt (:func:`this_attempts_store`); ``parlib.examples.long_run`` resumes from there.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ def this_attempts_store() -> Any:
     if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
 
     shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           int(os.environ["WORLD_SIZE"]), is_master=False)
+                           int(os.environ["WORLD_SIZE"]), is_master=False,
+                           timeout=default_pg_timeout)  # what init_process_group waits
     return dist.PrefixStore(f"parlib/attempt-{attempt}/", shared)
 
 

@@ -37,9 +37,10 @@ def torchrun(target: str, *args: object, max_restarts: int = 0) -> subprocess.Co
 
 
 def returned(stdout: str) -> dict[int, dict]:
-    """What each rank's function returned, as parlib.run printed it."""
+    """What each rank's function returned, as parlib.run printed it (the two ranks share
+    one pipe: a line may end where the other rank's begins)."""
     return {int(rank): ast.literal_eval(value)
-            for rank, value in re.findall(r"^\[rank (\d)\] returned (.*)$", stdout, re.M)}
+            for rank, value in re.findall(r"\[rank (\d)\] returned (\{[^{}]*\})", stdout)}
 
 
 def saved_tensors(folder: Path, step: int, tmp: Path) -> dict[str, torch.Tensor]:
