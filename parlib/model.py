@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -267,9 +268,25 @@ def make_batch(
     return stream[:, :-1].contiguous(), stream[:, 1:].contiguous()
 
 
+IGNORE_INDEX = -100  # a target that counts for nothing (padding): torch's default
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position in the batch."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean next-token cross-entropy over every real position (target not IGNORE_INDEX)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX)
+
+
+def loss_share(logits: torch.Tensor, targets: torch.Tensor,
+               batch_tokens: torch.Tensor | int) -> torch.Tensor:
+    """This piece's share of the whole batch's mean loss: the sum of its real positions'
+    cross-entropy over ``batch_tokens``, the real positions of the whole batch (every
+    microbatch, every rank). The shares add up to :func:`loss_fn` of the whole batch and
+    their gradients to its gradient, however the batch is split and padded; averaging
+    each piece's mean instead weighs a token of a short piece more."""
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / batch_tokens
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -289,18 +306,40 @@ def make_optimizer(params: Iterable[torch.Tensor], name: str = "sgd",
 
 
 def train_step(model: nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor,
-               sync: Callable[[], Any] | None = None) -> float:
+               sync: Callable[[], Any] | None = None, *, group: Any = None) -> float:
     """zero_grad, forward, backward, ``sync()`` (gradient pooling, if any), step.
 
-    Returns the loss as a float.
+    ``group``: the data-parallel ranks whose rows of the batch ``sync`` averages the
+    gradients over. The loss is then normalised by the real positions of every rank's rows
+    (one all-reduce of a count) and multiplied by the group's size, undoing the average, so
+    ranks holding different numbers of real targets (IGNORE_INDEX: padding) step exactly as
+    one device on the whole batch would. Returns the loss as a float: with ``group``, the
+    whole batch's (one more all-reduce of a scalar).
     """
     optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
+    if group is None:
+        loss = loss_fn(model(x), y)
+    else:
+        loss = loss_share(model(x), y, _group_tokens(y, group)) * dist.get_world_size(group)
     loss.backward()
     if sync is not None:
         sync()
     optimizer.step()
-    return loss.item()
+    if group is None:
+        return loss.item()
+    whole = loss.detach().reshape(1) / dist.get_world_size(group)
+    dist.all_reduce(whole, group=group)
+    return whole.item()
+
+
+def _group_tokens(targets: torch.Tensor, group: Any) -> torch.Tensor:
+    """The real targets of every rank of ``group``'s rows; refuses a batch with none."""
+    count = (targets != IGNORE_INDEX).sum().reshape(1)
+    dist.all_reduce(count, group=group)
+    if int(count) < 1:
+        raise ValueError(f"train_step: rank {dist.get_rank()}: no rank of the group has a "
+                         f"real target (all are IGNORE_INDEX={IGNORE_INDEX})")
+    return count[0]
 
 
 __all__ = [
@@ -316,6 +355,8 @@ __all__ = [
     "build_model",
     "make_batch",
     "loss_fn",
+    "loss_share",
+    "IGNORE_INDEX",
     "count_parameters",
     "make_optimizer",
     "train_step",

@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 
-from parlib.model import ModelConfig, build_model, loss_fn, make_batch, make_optimizer
+from parlib.model import (
+    IGNORE_INDEX,
+    ModelConfig,
+    build_model,
+    loss_fn,
+    loss_share,
+    make_batch,
+    make_optimizer,
+)
 
 RTOL = 1e-4
 ATOL = 1e-6
@@ -136,7 +144,8 @@ def reference_run(cfg: ModelConfig | None = None, *, steps: int = 1, batch: int 
     ``optimizer``: "sgd" or "adam" (:func:`parlib.model.make_optimizer` with ``lr``), or a
     function of the parameters that builds one (``lambda ps: torch.optim.SGD(ps, lr=0.1,
     momentum=0.9)``). ``microbatches=m`` accumulates m equal slices of each batch, each
-    loss / m (the same gradient as the whole batch, summed in another order).
+    slice's loss summed over its tokens / the batch's tokens (:func:`parlib.model.loss_share`:
+    the same gradient as the whole batch, summed in another order).
     ``device``: where to compute (the ranks' device type, so both sides run the same
     kernels). ``record``: any of ``"logits"``, ``"params_per_step"``, ``"microbatch_grads"``."""
     extra = set(record)
@@ -158,7 +167,8 @@ def reference_run(cfg: ModelConfig | None = None, *, steps: int = 1, batch: int 
         for x, y in zip(tokens.chunk(microbatches), targets.chunk(microbatches)):
             before = _cpu(net.named_parameters(), grad=True) if microbatches > 1 else {}
             out = net(x)
-            part = loss_fn(out, y) / microbatches
+            part = (loss_fn(out, y) if microbatches == 1  # else its share of the batch's
+                    else loss_share(out, y, (targets != IGNORE_INDEX).sum()))
             part.backward()
             logits.append(out.detach())
             loss += part.item()

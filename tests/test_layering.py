@@ -2,8 +2,9 @@
 
 The layers, bottom up: cost (pure Python), chapters (data), comm, runtime, measure, model,
 verify, strategies (importing only cost, comm, model and chapters: code to copy into a
-training script), experiments, plots, course. Every ``import`` statement in a module counts,
-including those inside functions: a lazy import is still a dependency.
+training script), experiments, plots, examples (whole training scripts), course. Every
+``import`` statement in a module counts, including those inside functions: a lazy import is
+still a dependency.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ ALLOWED = {
     "parlib.experiments": {"parlib.cost", "parlib.comm", "parlib.runtime", "parlib.measure",
                            "parlib.model", "parlib.strategies", "parlib.verify"},
     "parlib.plots": {"parlib.cost", "parlib.measure"},
+    "parlib.examples": {"parlib.cost", "parlib.comm", "parlib.runtime", "parlib.model",
+                        "parlib.strategies"},
     "parlib.course": {"*"},
     # the front door and the command line
     "parlib": {"*"},

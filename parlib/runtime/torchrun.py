@@ -5,6 +5,8 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; this initialises the default
 process group from them (NCCL when every local rank has a GPU, else gloo), calls
 ``train(*args)`` (args are passed as strings) on every rank, and prints what it returned.
+Restarted by ``--max-restarts`` after a rank died, the ranks meet again under keys of the new
+attempt (:func:`this_attempts_store`); ``parlib.examples.long_run`` resumes from there.
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ def load(target: str) -> Callable[..., Any]:
     if not callable(obj):
         raise SystemExit(f"parlib.run: {target} is not callable")
     return obj
+
+
+def this_attempts_store() -> Any:
+    """Under torchrun's agent store, the store's keys of this attempt only; None elsewhere.
+
+    With ``--rdzv-backend c10d`` (and ``--standalone``) the ranks share the agent's store,
+    which outlives a restart (``--max-restarts``): without a prefix of its own, a restarted
+    rank reads the address a rank of the failed attempt published and connects to a dead
+    port (refused, or a hang). TORCHELASTIC_RESTART_COUNT is the attempt, the same on
+    every rank torchrun restarts together."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    shared = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False,
+                           timeout=default_pg_timeout)  # what init_process_group waits
+    return dist.PrefixStore(f"parlib/attempt-{attempt}/", shared)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PARLIB_DEVICE"] = "cpu"
         torch.set_num_threads(threads_per_rank(local_world))
     os.environ["PARLIB_BACKEND"] = backend
-    dist.init_process_group(backend)
+    store = this_attempts_store()
+    if store is None:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
     try:
         result = fn(*opts.args)
         print(f"[rank {dist.get_rank()}] returned {result!r}", flush=True)
@@ -67,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["load", "main"]
+__all__ = ["load", "main", "this_attempts_store"]
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 shards over which ranks in ``fsdp_layout``) and ``Zero2``,
 ``tensor`` with ``tensor_ops``, ``pipeline`` with ``schedules`` and ``schedule_check``,
 ``context`` with ``context_ops`` (ring attention), ``experts`` (expert parallelism),
-``combined`` on a ``mesh``, and for long runs ``checkpoint`` (sharded save and load with
-``torch.distributed.checkpoint``, resharding) and ``token_loss`` (the loss normalised by the
-global count of real tokens): the code a reader could lift into a training script. They
-import only torch, :mod:`parlib.comm`, the pure formulas of :mod:`parlib.cost`,
-:mod:`parlib.model` and each other; measuring them is :mod:`parlib.experiments`' job.
+``combined`` on a ``mesh``, and for long runs ``checkpoint`` with ``checkpoint_pieces``
+(sharded save and load with ``torch.distributed.checkpoint``, resharding) and ``token_loss``
+(the loss normalised by the global count of real tokens): the code a reader could lift into
+a training script. They import only torch, :mod:`parlib.comm`, the pure formulas of
+:mod:`parlib.cost`, :mod:`parlib.model` and each other; measuring them is
+:mod:`parlib.experiments`' job.
 """

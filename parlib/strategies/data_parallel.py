@@ -11,6 +11,9 @@ The pooling is done by the pieces of :mod:`parlib.strategies.data`: ``"naive"``
 (:class:`Overlapped`, all-reduces started inside backward). Two differences from torch's DDP:
 the sync is finished by an explicit call (DDP does it inside backward, in C++), and buffers are
 broadcast once at construction (DDP re-broadcasts them before every forward).
+``loss_fn``'s mean over each rank's rows is the whole batch's only when every rank holds as
+many real targets; with padding (``IGNORE_INDEX``) normalise by the global count instead
+(:mod:`parlib.strategies.token_loss`, or ``parlib.model.train_step(..., group=group)``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100  # torch's cross_entropy default: a position that counts for nothing
+from parlib.model import IGNORE_INDEX  # torch's cross_entropy default: counts for nothing
 
 
 def real_tokens(targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

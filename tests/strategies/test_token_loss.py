@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import parlib
 from parlib import verify
+from parlib.model import ModelConfig, build_model, make_batch, make_optimizer, train_step
 from parlib.strategies.data import allreduce_gradients, shard_rows
 from parlib.strategies.token_loss import (
     IGNORE_INDEX,
@@ -119,3 +120,53 @@ def test_bad_counts_are_refused():
         global_token_loss(logits, torch.zeros(2, dtype=torch.long), 2, averaged_over=0)
     with pytest.raises(ValueError, match="no microbatch"):
         global_token_count([])
+
+
+TINY = ModelConfig(vocab_size=32, seq_len=6, d_model=16, n_heads=2, n_layers=1)
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Four rows of the model's stream, padded after 6, 1, 4 and 2 real targets: on 2 ranks,
+    rank 0 holds 7 real targets, rank 1 holds 6."""
+    tokens, targets = make_batch(4, TINY)
+    lengths = torch.tensor([6, 1, 4, 2])
+    targets[torch.arange(TINY.seq_len)[None, :] >= lengths[:, None]] = IGNORE_INDEX
+    return tokens, targets
+
+
+def _train_step_on_rows(with_group: bool) -> dict:
+    """parlib.model.train_step on this rank's rows, gradients averaged over the ranks."""
+    net = build_model(TINY)
+    opt = make_optimizer(net.parameters(), "sgd", lr=0.5)
+    x, y = (shard_rows(t, dist.get_rank(), dist.get_world_size()) for t in padded_batch())
+    sync = lambda: allreduce_gradients(net)  # noqa: E731
+    loss = (train_step(net, opt, x, y, sync, group=dist.group.WORLD) if with_group
+            else train_step(net, opt, x, y, sync))
+    return {"loss": loss, "weights": {n: p.detach().clone() for n, p in net.named_parameters()}}
+
+
+def test_the_course_train_step_over_ranks_is_one_devices_step_under_uneven_padding():
+    """With ``group``, parlib.model.train_step on 2 ranks holding 7 and 6 real targets steps
+    the weights as one device does on the whole batch; without it (the mean of each rank's
+    mean, the old step) it does not."""
+    net = build_model(TINY)
+    opt = make_optimizer(net.parameters(), "sgd", lr=0.5)
+    want_loss = train_step(net, opt, *padded_batch())
+    want = {n: p.detach() for n, p in net.named_parameters()}
+    grouped = parlib.launch(_train_step_on_rows, True, world_size=2, timeout=120)
+    per_rank_means = parlib.launch(_train_step_on_rows, False, world_size=2, timeout=120)[0]
+    assert all(verify.close(r["loss"], want_loss) for r in grouped)
+    assert all(verify.compare(r["weights"], want) for r in grouped)
+    assert not verify.compare(per_rank_means["weights"], want)
+
+
+def test_a_batch_with_no_real_target_is_refused_by_name():
+    with pytest.raises(parlib.RankError, match="no rank of the group has a real target"):
+        parlib.launch(_all_ignored_step, world_size=2, timeout=60)
+
+
+def _all_ignored_step() -> None:
+    net = build_model(TINY)
+    x, y = make_batch(2, TINY)
+    train_step(net, make_optimizer(net.parameters()), x, torch.full_like(y, IGNORE_INDEX),
+               group=dist.group.WORLD)
