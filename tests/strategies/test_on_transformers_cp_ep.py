@@ -18,7 +18,13 @@ import parlib
 from parlib import verify
 from parlib.strategies.context import average_gradients, mean_over_group, split_sequence
 from parlib.strategies.context_transformers import register_transformers_attention
-from tests.helpers.llama import LR, SEQ, STEPS, batch, loss_of, reference, tiny_llama
+from parlib.strategies.experts import (
+    ExpertParallelMoE,
+    experts_of_rank,
+    split_rows,
+    sync_gradients,
+)
+from tests.helpers.llama import LR, SEQ, STEPS, VOCAB, batch, loss_of, reference, tiny_llama
 
 pytest.importorskip("transformers")
 
@@ -59,3 +65,76 @@ def test_context_parallel_llama_equals_one_device(layout, cp, attention):
         assert set(got) == set(want)  # the loss and every gradient of every step
         verdict = verify.compare(got, want)
         assert verdict.ok, f"{attention} attention, {layout}, rank {rank} of {cp}: {verdict}"
+
+
+# ---- expert parallelism on Qwen3-MoE
+
+EXPERTS = 8
+
+
+def tiny_qwen_moe(seed: int = 0) -> torch.nn.Module:
+    """``Qwen3MoeForCausalLM``, tiny: every layer a mixture of EXPERTS experts, top 2, its
+    routing parlib's (softmax, top k, weights not renormalised: ``norm_topk_prob=False``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, num_experts=EXPERTS,
+        num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=SEQ,
+        use_cache=False, attn_implementation="eager"))
+
+
+def moe_reference() -> dict[str, torch.Tensor]:
+    """One device, the whole batch: each step's loss and every gradient, by name."""
+    model = tiny_qwen_moe()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out: dict[str, torch.Tensor] = {}
+    for step in range(STEPS):
+        tokens, targets = batch(step)
+        loss = loss_of(model(tokens).logits, targets)
+        loss.backward()
+        out[f"step {step} loss"] = loss.detach()
+        out.update({f"step {step} grad {n}": p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _expert_parallel() -> tuple[dict[str, torch.Tensor], range]:
+    """This rank's rows and E/P experts of every layer; the loss averaged over the ranks and
+    every gradient (the experts': this rank's slice), named as on one device."""
+    torch.set_num_threads(1)
+    group = dist.group.WORLD
+    model = tiny_qwen_moe()  # the same seed on every rank: each keeps its experts
+    one_device = list(model.named_parameters())  # held, so no new tensor reuses their ids
+    names = {id(p): n for n, p in one_device}  # the router's weight stays this object
+    for layer in model.model.layers:
+        layer.mlp = ExpertParallelMoE(layer.mlp.gate, layer.mlp.experts, group,
+                                      top_k=model.config.num_experts_per_tok)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out: dict[str, torch.Tensor] = {}
+    for step in range(STEPS):
+        tokens, targets = (split_rows(t, group) for t in batch(step))
+        loss = loss_of(model(tokens).logits, targets)
+        loss.backward()
+        sync_gradients(model, group)
+        out[f"step {step} loss"] = mean_over_group(loss, group)
+        out.update({f"step {step} grad {names.get(id(p), n)}": p.grad.clone()
+                    for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return out, experts_of_rank(dist.get_rank(), dist.get_world_size(), EXPERTS)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_qwen3_moe_equals_one_device(ep):
+    want = moe_reference()
+    for rank, (got, mine) in enumerate(parlib.launch(_expert_parallel, world_size=ep,
+                                                     timeout=300)):
+        assert set(got) == set(want)  # the loss and every gradient of every step
+        mine_of = {k: w[mine.start:mine.stop] if ".experts." in k else w
+                   for k, w in want.items()}
+        assert got["step 0 grad model.layers.0.mlp.experts.down_proj"].shape[0] == EXPERTS // ep
+        verdict = verify.compare(got, mine_of)
+        assert verdict.ok, f"expert parallelism, rank {rank} of {ep}: {verdict}"
