@@ -53,31 +53,34 @@ def experts_of_rank(rank: int, ep: int, n_experts: int) -> range:
 
 
 class AllToAll(Function):
-    """Rows of ``x`` to the ranks of ``group``: the first ``send[0]`` rows to rank 0, the
-    next ``send[1]`` to rank 1, ...; returns ``sum(recv)`` rows, rank 0's first. Backward:
-    the same exchange reversed (the gradient of each row goes back where it came from)."""
+    """Rows of ``rows_NW`` to the ranks of ``group``: the first ``send[0]`` rows to rank 0,
+    the next ``send[1]`` to rank 1, ...; returns ``sum(recv)`` rows, rank 0's first.
+    Backward: the same exchange reversed (the gradient of each row goes back where it came
+    from)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int],
+    def forward(ctx: Any, rows_NW: torch.Tensor, send: list[int], recv: list[int],
                 group: Any) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        return out
+        arrived_NW = rows_NW.new_empty((sum(recv), *rows_NW.shape[1:]))
+        dist.all_to_all_single(arrived_NW, rows_NW.contiguous(), recv, send, group=group)
+        return arrived_NW
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return back, None, None, None
+    def backward(ctx: Any, grad_NW: torch.Tensor) -> tuple[Any, ...]:
+        back_NW = grad_NW.new_empty((sum(ctx.send), *grad_NW.shape[1:]))
+        dist.all_to_all_single(back_NW, grad_NW.contiguous(), ctx.send, ctx.recv,
+                               group=ctx.group)
+        return back_NW, None, None, None
 
 
-def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+def all_to_all(rows_NW: torch.Tensor, send: list[int], recv: list[int],
+               group: Any) -> torch.Tensor:
     """:class:`AllToAll` (differentiable) with its split sizes checked."""
-    if sum(send) != x.shape[0]:
-        raise ValueError(f"send counts {send} add up to {sum(send)}, not the {x.shape[0]} "
-                         "rows to send")
-    return AllToAll.apply(x, list(send), list(recv), group)
+    if sum(send) != rows_NW.shape[0]:
+        raise ValueError(f"send counts {send} add up to {sum(send)}, not the "
+                         f"{rows_NW.shape[0]} rows to send")
+    return AllToAll.apply(rows_NW, list(send), list(recv), group)
 
 
 def dispatch_plan(routing: Routing, n_experts: int, ep: int) -> dict[str, torch.Tensor]:

@@ -10,6 +10,8 @@ the whole batch (tests/helpers/llama.py): every step's loss and every gradient, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -138,3 +140,35 @@ def test_expert_parallel_qwen3_moe_equals_one_device(ep):
         assert got["step 0 grad model.layers.0.mlp.experts.down_proj"].shape[0] == EXPERTS // ep
         verdict = verify.compare(got, mine_of)
         assert verdict.ok, f"expert parallelism, rank {rank} of {ep}: {verdict}"
+
+
+# ---- the README's example, as written
+
+def _readme_blocks() -> list[str]:
+    """The python code blocks of the README's "Use it on your own model" section."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Use it on your own model", 1)[1].split("\n### ", 1)[0]
+    return [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
+
+
+def test_readme_context_and_expert_example_runs_as_written(monkeypatch):
+    returned = []
+    launch = parlib.launch
+
+    def recording_launch(*args, **kwargs):
+        returned.append(launch(*args, timeout=300, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(parlib, "launch", recording_launch)
+    first, second = _readme_blocks()
+    example: dict = {"__name__": "readme_example"}
+    exec(first, example)  # the models, tokens and targets the second block continues with
+    del returned[:]
+    exec(second, example)
+    context_parallel, expert_parallel = returned
+    tokens, targets = example["tokens"], example["targets"]
+    for build, losses in (("llama", context_parallel), ("qwen_moe", expert_parallel)):
+        model = example[build]()  # the one-device loss of the same weights on the whole batch
+        want = loss_of(model(tokens).logits, targets).item()
+        assert len(losses) == 2  # each rank's loss over its equal share of the tokens
+        assert verify.close(torch.tensor(sum(losses) / 2), torch.tensor(want)), (build, losses)
