@@ -19,7 +19,10 @@ import torch.distributed as dist
 import parlib
 from parlib import verify
 from parlib.strategies.context import average_gradients, mean_over_group, split_sequence
-from parlib.strategies.context_transformers import register_transformers_attention
+from parlib.strategies.context_transformers import (
+    attention_function,
+    register_transformers_attention,
+)
 from parlib.strategies.experts import (
     ExpertParallelMoE,
     experts_of_rank,
@@ -172,3 +175,43 @@ def test_readme_context_and_expert_example_runs_as_written(monkeypatch):
         want = loss_of(model(tokens).logits, targets).item()
         assert len(losses) == 2  # each rank's loss over its equal share of the tokens
         assert verify.close(torch.tensor(sum(losses) / 2), torch.tensor(want)), (build, losses)
+
+
+# ---- what they refuse, and why
+
+def test_context_attention_refuses_what_it_cannot_compute():
+    attend = attention_function(group=None)  # the checks come before any communication
+    q_BHSD = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="scales scores by 1/sqrt\\(head_dim\\)"):
+        attend(None, q_BHSD, q_BHSD, q_BHSD, None, scaling=1.0)
+    with pytest.raises(ValueError, match="no attention dropout; got dropout=0.1"):
+        attend(None, q_BHSD, q_BHSD, q_BHSD, None, dropout=0.1)
+    with pytest.raises(ValueError, match="takes the causal mask from the layout"):
+        attend(None, q_BHSD, q_BHSD, q_BHSD, torch.zeros(1, 1, 2, 2))
+    with pytest.raises(ValueError, match="attention must be one of"):
+        attention_function(None, attention="flash")
+    model = tiny_llama()  # a padding mask would be dropped silently: refused instead
+    model.set_attn_implementation(register_transformers_attention("cp_refuses", None))
+    tokens = torch.zeros(1, SEQ, dtype=torch.long)
+    padded = torch.ones(1, SEQ, dtype=torch.long).index_fill(1, torch.tensor([0]), 0)
+    with pytest.raises(ValueError, match="cannot apply a padding attention_mask"):
+        model(tokens, attention_mask=padded)
+
+
+def _refusals() -> list[str]:
+    group, said = dist.group.WORLD, []
+    moe = tiny_qwen_moe().model.layers[0].mlp
+    for router, experts in ((torch.nn.ReLU(), moe.experts),  # no weight to score with
+                            (torch.nn.Linear(32, 4, bias=False), moe.experts)):  # 4 != 8
+        try:
+            ExpertParallelMoE(router, experts, group, top_k=2)
+            said.append("accepted")
+        except ValueError as err:
+            said.append(str(err))
+    return said
+
+
+def test_expert_parallel_refuses_a_router_that_does_not_fit():
+    no_weight, too_few = parlib.launch(_refusals, world_size=2, timeout=300)[0]
+    assert "router must be an nn.Linear or have a weight (E, W) parameter, got ReLU" in no_weight
+    assert "the router scores 4 experts; experts holds 8" in too_few
