@@ -18,7 +18,9 @@ them unchanged. Attention needs every key and value; two ways to get them:
 
 Which positions a rank holds is the *layout*: ``"contiguous"`` (rank r holds chunk r of
 cp) or ``"zigzag"`` (2cp chunks, rank r holds chunks r and 2cp - 1 - r, which balances
-the causal mask's work). The process group is always an argument.
+the causal mask's work). The process group is always an argument. On a model, the two
+attentions replace its attention computation: :func:`context_parallel_copy` does it for
+the course's TinyGPT, :mod:`parlib.strategies.context_transformers` for a Hugging Face model.
 
 Shapes in names (``q_BHSD``): B batch, H heads, S the positions this rank holds (L/C),
 D head size (head_dim), L the whole sequence, C cp ranks, 2 K and V stacked, W model width.
