@@ -10,7 +10,7 @@ the whole batch (tests/helpers/llama.py): every step's loss and every gradient, 
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,33 +29,57 @@ from parlib.strategies.experts import (
     split_rows,
     sync_gradients,
 )
-from tests.helpers.llama import LR, SEQ, STEPS, VOCAB, batch, loss_of, reference, tiny_llama
+from tests.helpers.llama import (
+    EXPERTS,
+    LR,
+    SEQ,
+    STEPS,
+    batch,
+    loss_of,
+    reference,
+    tiny_llama,
+    tiny_qwen_moe,
+)
+from tests.helpers.readme import run_readme_blocks
 
 pytest.importorskip("transformers")
 
 
-def _context_parallel(layout: str, attention: str) -> dict[str, torch.Tensor]:
-    """This rank's positions of every sequence (the whole batch on every rank); the loss
-    over all tokens and every gradient, averaged over the cp ranks."""
+def _train(model: torch.nn.Module, share: Callable[[torch.Tensor], torch.Tensor],
+           sync: Callable[[torch.nn.Module], None], names: dict[int, str] | None = None,
+           **forward: torch.Tensor) -> dict[str, torch.Tensor]:
+    """STEPS SGD steps on this rank's ``share`` of each batch: each step's loss averaged
+    over the ranks and every gradient after ``sync``, named as on one device (``names``:
+    by the parameter's id, for those the strategy moved)."""
     torch.set_num_threads(1)
+    names = names or {}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out: dict[str, torch.Tensor] = {}
+    for step in range(STEPS):
+        tokens, targets = (share(t) for t in batch(step))
+        loss = loss_of(model(tokens, **forward).logits, targets)
+        loss.backward()
+        sync(model)
+        out[f"step {step} loss"] = mean_over_group(loss, dist.group.WORLD)
+        out.update({f"step {step} grad {names.get(id(p), n)}": p.grad.clone()
+                    for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+# ---- context parallelism on a Llama
+
+def _context_parallel(layout: str, attention: str) -> dict[str, torch.Tensor]:
+    """This rank's positions of every sequence (the whole batch on every rank), with their
+    position_ids; the gradients averaged over the cp ranks."""
     group = dist.group.WORLD
     model = tiny_llama()  # the same seed on every rank
     model.set_attn_implementation(
         register_transformers_attention(f"cp_{attention}", group, layout, attention))
     positions = split_sequence(torch.arange(SEQ)[None], group, layout)  # (1, S)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    out: dict[str, torch.Tensor] = {}
-    for step in range(STEPS):
-        tokens, targets = (split_sequence(t, group, layout) for t in batch(step))
-        loss = loss_of(model(tokens, position_ids=positions).logits, targets)
-        loss.backward()
-        average_gradients(model, group)
-        out[f"step {step} loss"] = mean_over_group(loss, group)
-        out.update({f"step {step} grad {n}": p.grad.clone()
-                    for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return out
+    return _train(model, lambda t: split_sequence(t, group, layout),
+                  lambda m: average_gradients(m, group), position_ids=positions)
 
 
 CP_CASES = [(layout, cp, "ring") for layout in ("contiguous", "zigzag") for cp in (2, 4)]
@@ -74,67 +98,23 @@ def test_context_parallel_llama_equals_one_device(layout, cp, attention):
 
 # ---- expert parallelism on Qwen3-MoE
 
-EXPERTS = 8
-
-
-def tiny_qwen_moe(seed: int = 0) -> torch.nn.Module:
-    """``Qwen3MoeForCausalLM``, tiny: every layer a mixture of EXPERTS experts, top 2, its
-    routing parlib's (softmax, top k, weights not renormalised: ``norm_topk_prob=False``)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, num_experts=EXPERTS,
-        num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=SEQ,
-        use_cache=False, attn_implementation="eager"))
-
-
-def moe_reference() -> dict[str, torch.Tensor]:
-    """One device, the whole batch: each step's loss and every gradient, by name."""
-    model = tiny_qwen_moe()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    out: dict[str, torch.Tensor] = {}
-    for step in range(STEPS):
-        tokens, targets = batch(step)
-        loss = loss_of(model(tokens).logits, targets)
-        loss.backward()
-        out[f"step {step} loss"] = loss.detach()
-        out.update({f"step {step} grad {n}": p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return out
-
-
 def _expert_parallel() -> tuple[dict[str, torch.Tensor], range]:
-    """This rank's rows and E/P experts of every layer; the loss averaged over the ranks and
-    every gradient (the experts': this rank's slice), named as on one device."""
-    torch.set_num_threads(1)
+    """This rank's rows and E/P experts of every layer; every gradient (the experts': this
+    rank's slice) named as on one device, and which experts this rank holds."""
     group = dist.group.WORLD
     model = tiny_qwen_moe()  # the same seed on every rank: each keeps its experts
     one_device = list(model.named_parameters())  # held, so no new tensor reuses their ids
-    names = {id(p): n for n, p in one_device}  # the router's weight stays this object
     for layer in model.model.layers:
         layer.mlp = ExpertParallelMoE(layer.mlp.gate, layer.mlp.experts, group,
                                       top_k=model.config.num_experts_per_tok)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    out: dict[str, torch.Tensor] = {}
-    for step in range(STEPS):
-        tokens, targets = (split_rows(t, group) for t in batch(step))
-        loss = loss_of(model(tokens).logits, targets)
-        loss.backward()
-        sync_gradients(model, group)
-        out[f"step {step} loss"] = mean_over_group(loss, group)
-        out.update({f"step {step} grad {names.get(id(p), n)}": p.grad.clone()
-                    for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
+    out = _train(model, lambda t: split_rows(t, group), lambda m: sync_gradients(m, group),
+                 names={id(p): n for n, p in one_device})  # the gate's weight: still its own
     return out, experts_of_rank(dist.get_rank(), dist.get_world_size(), EXPERTS)
 
 
 @pytest.mark.parametrize("ep", [2, 4])
 def test_expert_parallel_qwen3_moe_equals_one_device(ep):
-    want = moe_reference()
+    want = reference(build=tiny_qwen_moe)
     for rank, (got, mine) in enumerate(parlib.launch(_expert_parallel, world_size=ep,
                                                      timeout=300)):
         assert set(got) == set(want)  # the loss and every gradient of every step
@@ -147,28 +127,9 @@ def test_expert_parallel_qwen3_moe_equals_one_device(ep):
 
 # ---- the README's example, as written
 
-def _readme_blocks() -> list[str]:
-    """The python code blocks of the README's "Use it on your own model" section."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Use it on your own model", 1)[1].split("\n### ", 1)[0]
-    return [part.split("```", 1)[0] for part in section.split("```python\n")[1:]]
-
-
 def test_readme_context_and_expert_example_runs_as_written(monkeypatch):
-    returned = []
-    launch = parlib.launch
-
-    def recording_launch(*args, **kwargs):
-        returned.append(launch(*args, timeout=300, **kwargs))
-        return returned[-1]
-
-    monkeypatch.setattr(parlib, "launch", recording_launch)
-    first, second = _readme_blocks()
-    example: dict = {"__name__": "readme_example"}
-    exec(first, example)  # the models, tokens and targets the second block continues with
-    del returned[:]
-    exec(second, example)
-    context_parallel, expert_parallel = returned
+    example, (_, launches) = run_readme_blocks(monkeypatch, "Use it on your own model", 2)
+    context_parallel, expert_parallel = launches
     tokens, targets = example["tokens"], example["targets"]
     for build, losses in (("llama", context_parallel), ("qwen_moe", expert_parallel)):
         model = example[build]()  # the one-device loss of the same weights on the whole batch
