@@ -51,7 +51,7 @@ def _layers(cfg, dtype=torch.float32):
     torch.manual_seed(0)
     replicated = MoE(cfg).to(dtype)
     torch.manual_seed(0)
-    return replicated, ExpertParallelMoE(MoE(cfg).to(dtype), dist.group.WORLD)
+    return replicated, ExpertParallelMoE.from_moe(MoE(cfg).to(dtype), dist.group.WORLD)
 
 
 def _check(cfg, x, g):

@@ -117,7 +117,7 @@ def layer_traffic(cfg: ModelConfig, tokens: int = 32,
         want_x = x.clone().requires_grad_()
         want = single(want_x)
         want.backward(d_out)
-        layer = ExpertParallelMoE(_layer(cfg, factor, seed), group).to(dev)
+        layer = ExpertParallelMoE.from_moe(_layer(cfg, factor, seed), group).to(dev)
         seen = RoutingRecorder(layer)
         got_x = x.clone().requires_grad_()
         with CommLog() as log:

@@ -115,7 +115,7 @@ def _split_block(block: nn.Module, mesh: Mesh, sequence_layout: str) -> nn.Modul
         block.attn = TensorContextAttention(block.attn, tp_group, mesh.group("cp"),
                                             sequence_layout)
     if mesh.ep > 1:
-        block.mlp = ExpertParallelMoE(block.mlp, mesh.group("ep"))
+        block.mlp = ExpertParallelMoE.from_moe(block.mlp, mesh.group("ep"))
     return block
 
 

@@ -18,13 +18,18 @@ them unchanged. Attention needs every key and value; two ways to get them:
 
 Which positions a rank holds is the *layout*: ``"contiguous"`` (rank r holds chunk r of
 cp) or ``"zigzag"`` (2cp chunks, rank r holds chunks r and 2cp - 1 - r, which balances
-the causal mask's work). Tensors are (b, heads, s_local, head_dim) inside attention and
-(b, s_local, h) in the model; the process group is always an argument.
+the causal mask's work). The process group is always an argument. On a model, the two
+attentions replace its attention computation: :func:`context_parallel_copy` does it for
+the course's TinyGPT, :mod:`parlib.strategies.context_transformers` for a Hugging Face model.
+
+Shapes in names (``q_BHSD``): B batch, H heads, S the positions this rank holds (L/C),
+D head size (head_dim), L the whole sequence, C cp ranks, 2 K and V stacked, W model width.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,7 +74,7 @@ def sequence_positions(rank: int, cp: int, seq_len: int,
 
 def split_sequence(x: torch.Tensor, group: Any, layout: str = "contiguous",
                    dim: int = 1) -> torch.Tensor:
-    """This rank's positions of ``x`` along ``dim`` (tokens (b, s) -> (b, s/cp))."""
+    """This rank's positions of ``x`` along ``dim`` (tokens (B, L) -> (B, S))."""
     rank, cp = comm.rank_and_size(group, "split_sequence", allow_none=False)
     pos = sequence_positions(rank, cp, x.shape[dim], layout)
     return x.index_select(dim, pos.to(x.device))
@@ -132,71 +137,73 @@ def ring_schedule(group: Any, seq_len: int, layout: str = "contiguous",
     return [ring.pairs(step) for step in range(ring.cp)]
 
 
-def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
-    return t[..., rows, :]  # (b, a, s, d) -> the positions ``rows``
+def _rows(t_BHSD: torch.Tensor, rows: slice) -> torch.Tensor:
+    return t_BHSD[..., rows, :]  # the positions ``rows`` of a (..., S, D) tensor
 
 
 class RingAttention(Function):
     """Attention of this rank's queries over the whole sequence, K/V passed round a ring.
 
-    q, k, v: (b, a, s/cp, d) on each rank -> out (b, a, s/cp, d). Forward: cp steps; at step
-    j the rank holds the K/V of rank (r - j) mod cp, stacked as kv (2, b, a, s/cp, d), sends
-    it on while computing with it, and merges each chunk pair's (out, lse) into the running
-    one. Backward: the K/V go round again; each block's partial dK/dV (2, b, a, s/cp, d) is
-    summed on every rank it visits and sent one hop behind it, home after cp - 1 hops."""
+    q, k, v (B, H, S, D) on each rank -> out (B, H, S, D). Forward: C steps; at step j the
+    rank holds the K/V of rank (r - j) mod C, stacked as kv_2BHSD, sends it on while
+    computing with it, and merges each chunk pair's (out, lse) into the running one.
+    Backward: the K/V go round again; each block's partial dK/dV (2, B, H, S, D) is summed
+    on every rank it visits and sent one hop behind it, home after C - 1 hops."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
-                causal: bool, layout: str) -> torch.Tensor:
-        ring = _Ring(group, q.shape[-2], layout, causal)
-        kv = torch.stack([k, v]).contiguous()  # (2, b, a, s/cp, d)
-        out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+    def forward(ctx: Any, q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                group: Any, causal: bool, layout: str) -> torch.Tensor:
+        ring = _Ring(group, q_BHSD.shape[-2], layout, causal)
+        kv_2BHSD = torch.stack([k_BHSD, v_BHSD]).contiguous()
+        out_BHSD = torch.zeros_like(q_BHSD)
+        lse_BHS = torch.full(q_BHSD.shape[:-1], float("-inf"), dtype=q_BHSD.dtype,
+                             device=q_BHSD.device)
         for step in range(ring.cp):
-            works, incoming = ring.exchange(kv) if step < ring.cp - 1 else ([], None)
+            works, incoming_2BHSD = ring.exchange(kv_2BHSD) if step < ring.cp - 1 else ([], None)
             for qs, ks, diagonal in ring.pairs(step):  # while the next block travels
-                part = chunk_attention(_rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks), diagonal)
-                out[..., qs, :], lse[..., qs] = merge_partials(
-                    _rows(out, qs), lse[..., qs], *part)
+                part = chunk_attention(_rows(q_BHSD, qs), _rows(kv_2BHSD[0], ks),
+                                       _rows(kv_2BHSD[1], ks), diagonal)
+                out_BHSD[..., qs, :], lse_BHS[..., qs] = merge_partials(
+                    _rows(out_BHSD, qs), lse_BHS[..., qs], *part)
             for w in works:
                 w.wait()
-            kv = incoming
-        ctx.save_for_backward(q, k, v, out, lse)
+            kv_2BHSD = incoming_2BHSD
+        ctx.save_for_backward(q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS)
         ctx.ring = ring
-        return out
+        return out_BHSD
 
     @staticmethod
-    def backward(ctx: Any, d_out: torch.Tensor) -> tuple[Any, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+    def backward(ctx: Any, d_out_BHSD: torch.Tensor) -> tuple[Any, ...]:
+        q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS = ctx.saved_tensors
         ring = ctx.ring
-        d_out = d_out.contiguous()
-        dq = torch.zeros_like(q)
-        kv = torch.stack([k, v]).contiguous()
-        mine = torch.zeros_like(kv)  # this rank's share of its own block's gradient
+        d_out_BHSD = d_out_BHSD.contiguous()
+        dq_BHSD = torch.zeros_like(q_BHSD)
+        kv_2BHSD = torch.stack([k_BHSD, v_BHSD]).contiguous()
+        mine_2BHSD = torch.zeros_like(kv_2BHSD)  # this rank's share of its own block's gradient
         pending: tuple[list[Any], torch.Tensor] | None = None  # (works, gradient) in transit
         for step in range(ring.cp):
-            works, incoming = ring.exchange(kv) if step < ring.cp - 1 else ([], None)
-            partial = torch.zeros_like(kv)  # (2, b, a, s/cp, d): dK, dV of the held block
+            works, incoming_2BHSD = ring.exchange(kv_2BHSD) if step < ring.cp - 1 else ([], None)
+            partial_2BHSD = torch.zeros_like(kv_2BHSD)  # dK, dV of the held block
             for qs, ks, diagonal in ring.pairs(step):
-                dq_b, dk_b, dv_b = block_backward(
-                    _rows(q, qs), _rows(kv[0], ks), _rows(kv[1], ks), _rows(d_out, qs),
-                    _rows(out, qs), lse[..., qs], diagonal)
-                dq[..., qs, :] += dq_b
-                partial[0, ..., ks, :] += dk_b
-                partial[1, ..., ks, :] += dv_b
+                dq, dk, dv = block_backward(
+                    _rows(q_BHSD, qs), _rows(kv_2BHSD[0], ks), _rows(kv_2BHSD[1], ks),
+                    _rows(d_out_BHSD, qs), _rows(out_BHSD, qs), lse_BHS[..., qs], diagonal)
+                dq_BHSD[..., qs, :] += dq
+                partial_2BHSD[0, ..., ks, :] += dk
+                partial_2BHSD[1, ..., ks, :] += dv
             if step == 0:
-                mine = partial
+                mine_2BHSD = partial_2BHSD
             else:
                 if pending is not None:
-                    partial = partial + _arrived(*pending)
+                    partial_2BHSD = partial_2BHSD + _arrived(*pending)
                 # one hop behind the K/V: the next rank gets this block at the next step
-                pending = ring.exchange(partial.contiguous())
+                pending = ring.exchange(partial_2BHSD.contiguous())
             for w in works:
                 w.wait()
-            kv = incoming
-        if pending is not None:  # after cp - 1 hops the own block's gradient comes home
-            mine = mine + _arrived(*pending)
-        return dq, mine[0], mine[1], None, None, None
+            kv_2BHSD = incoming_2BHSD
+        if pending is not None:  # after C - 1 hops the own block's gradient comes home
+            mine_2BHSD = mine_2BHSD + _arrived(*pending)
+        return dq_BHSD, mine_2BHSD[0], mine_2BHSD[1], None, None, None
 
 
 def _arrived(works: list[Any], tensor: torch.Tensor) -> torch.Tensor:
@@ -208,8 +215,8 @@ def _arrived(works: list[Any], tensor: torch.Tensor) -> torch.Tensor:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *,
                    causal: bool = True, layout: str = "contiguous") -> torch.Tensor:
-    """Attention over the whole sequence of this rank's queries, q, k, v (b, a, s/cp, d),
-    the sequence split over ``group`` in ``layout``; returns (b, a, s/cp, d). The first
+    """Attention over the whole sequence of this rank's queries, q, k, v (B, H, S, D),
+    the sequence split over ``group`` in ``layout``; returns (B, H, S, D). The first
     call with ``group`` checks that its ranks agree on the shapes, dtype, ``causal`` and
     ``layout`` (:func:`parlib.comm.agree`), raising on every rank if not."""
     comm.rank_and_size(group, "ring_attention", allow_none=False)
@@ -230,13 +237,13 @@ def _agree_across_ranks(what: str, q: torch.Tensor, group: Any, causal: bool,
                         layout: str) -> None:
     """On the first call with ``group``: the ranks' shapes, dtype, mask and layout agree
     (otherwise gloo aborts on a size mismatch, or a differing mask runs silently)."""
-    b, heads, s_local, head_dim = q.shape
+    batch, heads, s_local, head_dim = q.shape
     comm.agree(what, group, {
         "the local sequence length (q.shape[-2])": (
             s_local, "every rank must hold as many positions: cut one sequence whose "
             "length divides into cp chunks (2 x cp for zigzag) with split_sequence"),
         "(batch, heads, head_dim) of q, k, v": (
-            (b, heads, head_dim), "every rank must pass the same batch, heads and head_dim"),
+            (batch, heads, head_dim), "every rank must pass the same batch, heads and head_dim"),
         "the dtype of q, k, v": (q.dtype, "cast q, k and v to one dtype on every rank"),
         "causal": (causal, "pass the same causal= on every rank (one mask over the whole "
                    "sequence)"),
@@ -249,45 +256,54 @@ def _agree_across_ranks(what: str, q: torch.Tensor, group: Any, causal: bool,
 # --------------------------------------------------------------------------------------
 
 class AllGatherKV(Function):
-    """kv (2, b, a, s/cp, d) on each rank -> every rank's, (cp, 2, b, a, s/cp, d) in rank
+    """kv (2, B, H, S, D) on each rank -> every rank's, (C, 2, B, H, S, D) in rank
     order; backward: the gradients summed over the ranks, each rank keeping its own block
     (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx: Any, kv: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, kv_2BHSD: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         _, cp = comm.rank_and_size(group, "AllGatherKV", allow_none=False)
-        gathered = kv.new_empty((cp * kv.shape[0], *kv.shape[1:]))  # collectives use dim 0
-        comm.all_gather(gathered, kv.contiguous(), group=group)
-        return gathered.view(cp, *kv.shape)
+        # collectives concatenate along dim 0: gather (C x 2, B, H, S, D), then view
+        gathered = kv_2BHSD.new_empty((cp * kv_2BHSD.shape[0], *kv_2BHSD.shape[1:]))
+        comm.all_gather(gathered, kv_2BHSD.contiguous(), group=group)
+        return gathered.view(cp, *kv_2BHSD.shape)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        mine = grad.new_empty(grad.shape[1:])
-        comm.reduce_scatter(mine, grad.contiguous().flatten(0, 1), group=ctx.group)
-        return mine, None
+    def backward(ctx: Any, grad_C2BHSD: torch.Tensor) -> tuple[torch.Tensor, None]:
+        mine_2BHSD = grad_C2BHSD.new_empty(grad_C2BHSD.shape[1:])
+        comm.reduce_scatter(mine_2BHSD, grad_C2BHSD.contiguous().flatten(0, 1),
+                            group=ctx.group)
+        return mine_2BHSD, None
 
 
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *,
                          causal: bool = True, layout: str = "contiguous") -> torch.Tensor:
     """The simple way: gather all of K and V, then attend the local queries
-    (b, a, s/cp, d) over the whole sequence; returns (b, a, s/cp, d). The first call with
+    (B, H, S, D) over the whole sequence; returns (B, H, S, D). The first call with
     ``group`` checks its ranks' settings, as :func:`ring_attention` does."""
     rank, cp = comm.rank_and_size(group, "all_gather_attention", allow_none=False)
     _check_shapes(q, k, v)
     _agree_across_ranks("all_gather_attention", q, group, causal, layout)
     seq_len = q.shape[-2] * cp
-    every = AllGatherKV.apply(torch.stack([k, v]), group)  # (cp, 2, b, a, s/cp, d)
-    k_all = torch.cat(list(every[:, 0]), dim=-2)  # (b, a, s, d), blocks in rank order
-    v_all = torch.cat(list(every[:, 1]), dim=-2)
-    mask = None
+    every_C2BHSD = AllGatherKV.apply(torch.stack([k, v]), group)
+    k_BHLD = torch.cat(list(every_C2BHSD[:, 0]), dim=-2)  # blocks in rank order
+    v_BHLD = torch.cat(list(every_C2BHSD[:, 1]), dim=-2)
+    mask_SL = None
     if causal:
         k_pos = torch.cat([sequence_positions(r, cp, seq_len, layout) for r in range(cp)])
-        mask = visible_mask(sequence_positions(rank, cp, seq_len, layout), k_pos).to(q.device)
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        mask_SL = visible_mask(sequence_positions(rank, cp, seq_len, layout), k_pos)
+        mask_SL = mask_SL.to(q.device)
+    return F.scaled_dot_product_attention(q, k_BHLD, v_BHLD, attn_mask=mask_SL)
 
 
 ATTENTIONS = {"ring": ring_attention, "all_gather": all_gather_attention}
+
+
+def _attention_named(attention: str) -> Callable[..., torch.Tensor]:
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {sorted(ATTENTIONS)}, got {attention!r}")
+    return ATTENTIONS[attention]
 
 
 # --------------------------------------------------------------------------------------
@@ -301,28 +317,25 @@ class ContextParallelAttention(Attention):
     def __init__(self, attn: Attention, group: Any, layout: str = "contiguous",
                  attention: str = "ring") -> None:
         nn.Module.__init__(self)
-        if attention not in ATTENTIONS:
-            raise ValueError(f"attention must be one of {sorted(ATTENTIONS)}, "
-                             f"got {attention!r}")
         self.head_dim = attn.head_dim
         self.q, self.k, self.v, self.out = attn.q, attn.k, attn.v, attn.out
-        self.group, self.layout, self.attend = group, layout, ATTENTIONS[attention]
+        self.group, self.layout, self.attend = group, layout, _attention_named(attention)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s_local, _ = x.shape  # (b, s/cp, h)
+    def forward(self, x_BSW: torch.Tensor) -> torch.Tensor:
+        batch, s_local, _ = x_BSW.shape
         width = self.q.out_features
         heads = width // self.head_dim
 
-        def split(t: torch.Tensor) -> torch.Tensor:  # (b, s/cp, h) -> (b, a, s/cp, d)
-            return t.view(b, s_local, heads, self.head_dim).transpose(1, 2)
+        def split(t_BSW: torch.Tensor) -> torch.Tensor:  # -> (B, H, S, D)
+            return t_BSW.view(batch, s_local, heads, self.head_dim).transpose(1, 2)
 
-        y = self.attend(split(self.q(x)), split(self.k(x)), split(self.v(x)), self.group,
-                        causal=True, layout=self.layout)
-        return self.out(y.transpose(1, 2).reshape(b, s_local, width))
+        y_BHSD = self.attend(split(self.q(x_BSW)), split(self.k(x_BSW)), split(self.v(x_BSW)),
+                             self.group, causal=True, layout=self.layout)
+        return self.out(y_BHSD.transpose(1, 2).reshape(batch, s_local, width))
 
 
 class ContextParallelEmbed(nn.Module):
-    """The model's embedding on this rank's positions: tokens (b, s/cp) -> (b, s/cp, h)."""
+    """The model's embedding on this rank's positions: tokens (B, S) -> (B, S, W)."""
 
     def __init__(self, embed: nn.Module, positions: torch.Tensor) -> None:
         super().__init__()

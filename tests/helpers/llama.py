@@ -1,9 +1,10 @@
-"""A tiny Llama from Hugging Face ``transformers`` (random weights, nothing downloaded) and
-its single-device run: the model the strategies were not written for
-(tests/strategies/test_on_transformers.py)."""
+"""A tiny Llama and a tiny Qwen3-MoE from Hugging Face ``transformers`` (random weights,
+nothing downloaded) and their single-device run: the models the strategies were not written
+for (tests/strategies/test_on_transformers*.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 VOCAB, SEQ, BATCH, STEPS, LR = 64, 8, 8, 2, 0.1
 SEED = 0
+EXPERTS = 8  # in every layer of the Qwen3-MoE
 
 
 def llama_config(**overrides: Any) -> Any:
@@ -30,6 +32,19 @@ def tiny_llama(seed: int = SEED, **overrides: Any) -> torch.nn.Module:
     return LlamaForCausalLM(llama_config(**overrides))
 
 
+def tiny_qwen_moe(seed: int = SEED) -> torch.nn.Module:
+    """``Qwen3MoeForCausalLM``, tiny: every layer a mixture of EXPERTS experts, top 2, its
+    routing parlib's (softmax, top k, weights not renormalised: ``norm_topk_prob=False``)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, num_experts=EXPERTS,
+        num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=SEQ,
+        use_cache=False, attn_implementation="eager"))
+
+
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Global batch ``step``: tokens and next-token targets, (BATCH, SEQ) each."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -42,9 +57,11 @@ def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def reference(steps: int = STEPS, **overrides: Any) -> dict[str, torch.Tensor]:
-    """One device, the whole batch, SGD: each step's loss and every gradient, by name."""
-    model = tiny_llama(**overrides)
+def reference(steps: int = STEPS, build: Callable[..., torch.nn.Module] = tiny_llama,
+              **overrides: Any) -> dict[str, torch.Tensor]:
+    """One device, the whole batch, SGD: each step's loss and every gradient, by name, of
+    the model ``build(**overrides)`` (the Llama unless told)."""
+    model = build(**overrides)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out: dict[str, torch.Tensor] = {}
     for step in range(steps):

@@ -70,7 +70,7 @@ def _experts_differ() -> None:
     n_experts = 2 if dist.get_rank() == 0 else 4
     cfg = ModelConfig(seq_len=4, d_model=8, n_heads=2, n_layers=1, n_experts=n_experts,
                       top_k=1, expert_hidden=8)
-    ExpertParallelMoE(build_model(cfg).blocks[0].mlp, dist.group.WORLD)
+    ExpertParallelMoE.from_moe(build_model(cfg).blocks[0].mlp, dist.group.WORLD)
 
 
 def test_n_experts_differing_across_ranks_is_named():

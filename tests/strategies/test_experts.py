@@ -164,7 +164,7 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="capacity_factor"):
         ModelConfig(n_experts=4, capacity_factor=0)
     with pytest.raises(ValueError, match="process group"):
-        ExpertParallelMoE(_moe(), None)
+        ExpertParallelMoE.from_moe(_moe(), None)
     with pytest.raises(ValueError, match="dense one"):
         expert_parallel_copy(build_model(ModelConfig(n_layers=1)), dist.group.WORLD)
     with pytest.raises(ValueError, match="no MoE layer has run"):
@@ -188,7 +188,7 @@ def _layer_vs_single(capacity_factor):
         (outs[-1] * g).sum().backward()
     want_routing = route(want_x[rank].detach(), moe.router, moe.top_k, capacity_factor)
     want = {n: p.grad.clone() for n, p in moe.named_parameters()}
-    ep_moe = ExpertParallelMoE(_moe(capacity_factor), group)
+    ep_moe = ExpertParallelMoE.from_moe(_moe(capacity_factor), group)
     seen = RoutingRecorder(ep_moe)  # observed from outside: the strategy keeps no record
     x, g = _tokens(rank)
     x.requires_grad_()
@@ -237,8 +237,8 @@ def _model_vs_single(ep):
 
 def _bad_split():
     try:
-        ExpertParallelMoE(MoE(ModelConfig(d_model=H, n_heads=2, n_experts=6)),
-                          dist.group.WORLD)
+        ExpertParallelMoE.from_moe(MoE(ModelConfig(d_model=H, n_heads=2, n_experts=6)),
+                                   dist.group.WORLD)
     except ValueError as err:
         return str(err)
     return None

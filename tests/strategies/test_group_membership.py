@@ -35,7 +35,8 @@ def _entry_points(g) -> dict:
         "split_sequence": lambda: context.split_sequence(torch.zeros(1, S), g),
         "average_gradients": lambda: context.average_gradients(linear, g),
         "mean_over_group": lambda: context.mean_over_group(torch.ones(()), g),
-        "ExpertParallelMoE": lambda: experts.ExpertParallelMoE(build_model(MOE).blocks[0].mlp, g),
+        "ExpertParallelMoE": lambda: experts.ExpertParallelMoE.from_moe(
+            build_model(MOE).blocks[0].mlp, g),
         "split_rows": lambda: experts.split_rows(torch.zeros(4, 1), g),
         "FSDP": lambda: FSDP(nn.Linear(4, 4), group=g),
         "Zero1": lambda: Zero1(linear.parameters(), torch.optim.SGD, group=g, lr=0.1),

@@ -9,8 +9,6 @@ by :func:`parlib.verify.compare` (the course's one tolerance), on 2 and 4 ranks.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,6 +33,7 @@ from tests.helpers.llama import (
     reference,
     tiny_llama,
 )
+from tests.helpers.readme import run_readme_blocks
 
 pytest.importorskip("transformers")
 
@@ -224,25 +223,9 @@ def test_stage_refuses_an_embedding_on_a_middle_rank():
     assert "first= goes to the pipeline's first rank (rank 0) only; pass None here" in said[1]
 
 
-def _readme_example() -> str:
-    """The README's "Use it on your own model" code block, as written."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Use it on your own model", 1)[1]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
-
-
 def test_readme_example_runs_as_written(monkeypatch):
-    returned = []
-    launch = parlib.launch
-
-    def recording_launch(*args, **kwargs):
-        returned.append(launch(*args, timeout=300, **kwargs))
-        return returned[-1]
-
-    monkeypatch.setattr(parlib, "launch", recording_launch)
-    example: dict = {"__name__": "readme_example"}
-    exec(_readme_example(), example)
-    sharded, tensor_parallel = returned
+    example, (launches,) = run_readme_blocks(monkeypatch, "Use it on your own model", 1)
+    sharded, tensor_parallel = launches
     model = example["llama"]()  # the one-device loss of the same weights on the whole batch
     want = loss_of(model(example["tokens"]).logits, example["targets"]).item()
     assert verify.close(torch.tensor(sum(sharded) / 2), torch.tensor(want)), (sharded, want)
