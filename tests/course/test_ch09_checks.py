@@ -392,3 +392,57 @@ def test_adam_step_key_is_the_optimizers_own_behaviour():
     ratio = update(1) / update(10_000)
     assert torch.allclose(ratio, torch.full((3,), resumed_update_scale(1)), rtol=1e-3)
     assert resumed_update_scale(1) < 0.5  # several times smaller, not larger
+
+
+def _round_trip_on_even_sizes(fn, folder: str) -> bool:
+    """Zero1 over one vector of 8 elements, which 4 and 2 divide: saved by the 4 ranks,
+    loaded by ranks {0, 1}, the first ranks of the world. True where rank r's loaded
+    exp_avg is the saved run's piece r."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from parlib.strategies.zero import Zero1
+
+    rank = dist.get_rank()
+    groups = dist.new_group([0, 1, 2, 3]), dist.new_group([0, 1])
+    weight = torch.nn.Parameter(torch.arange(8.0))
+    opt = Zero1([weight], torch.optim.AdamW, lr=0.1, group=groups[0])
+    weight.grad = torch.full((8,), rank + 1.0)
+    opt.step()
+    full = torch.empty(8)
+    dist.all_gather_into_tensor(full, opt.optimizer.state[opt.shards[0].tensor]["exp_avg"])
+    dcp.save(fn(opt), checkpoint_id=folder, process_group=groups[0])
+    if rank >= 2:
+        return True
+    fresh = torch.nn.Parameter(torch.zeros(8))
+    loaded = Zero1([fresh], torch.optim.AdamW, lr=0.0, group=groups[1])
+    fresh.grad = torch.zeros(8)
+    loaded.step()  # the state to load into, as the check creates it
+    dcp.load(fn(loaded), checkpoint_id=folder, process_group=groups[1])
+    got = loaded.optimizer.state[loaded.shards[0].tensor]["exp_avg"]
+    return torch.equal(got, full[4 * rank:4 * rank + 4])
+
+
+@pytest.mark.parametrize("mutant", ["no_global_shape", "global_rank",
+                                    "copied_on_the_short_rank"])
+def test_zero1_mistakes_that_only_uneven_sizes_or_sub_groups_part(tmp_path, mutant):
+    """Right where every size divides and the group is the world's first ranks: only the
+    check's uneven vectors (no global shape, the short rank's copy) and its sub-group {1, 3}
+    (the global rank taken for the group's) catch them."""
+    import parlib
+
+    fn = learner(ZERO1_MUTANTS[mutant][0], "zero1_state", DCP_IMPORTS)
+    assert all(parlib.launch(_round_trip_on_even_sizes, fn, str(tmp_path), world_size=4,
+                             timeout=120))
+
+
+def test_the_even_round_trip_can_fail(tmp_path):
+    """The ground of the test above: moments loaded into copies on every rank come back
+    wrong there too."""
+    import parlib
+
+    src = _zero1("value[:real], mesh,", "value[:real].clone(), mesh,")
+    fn = learner(src, "zero1_state", DCP_IMPORTS)
+    assert not any(parlib.launch(_round_trip_on_even_sizes, fn, str(tmp_path), world_size=4,
+                                 timeout=120)[:2])
