@@ -37,7 +37,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 ZERO1_STATE_SOLUTION = '''\
 def zero1_state(optimizer):
     group = optimizer.group if optimizer.group is not None else dist.group.WORLD
-    mesh = DeviceMesh.from_group(group, "cpu")  # the ranks that share the vectors
+    device = optimizer.shards[0].tensor.device.type  # "cpu" with gloo, "cuda" with NCCL
+    mesh = DeviceMesh.from_group(group, device)  # the ranks that share the vectors
     rank = mesh.get_local_rank()
     state = {}
     for i, shard in enumerate(optimizer.shards):
