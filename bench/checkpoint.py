@@ -12,8 +12,10 @@ time the async call itself blocks (staging the state into a copy). Saves run on 
 of their own. Bytes: the checkpoint's total and the largest rank file, predicted and on disk
 (DCP's files also hold a small header per tensor and the ``.metadata`` file; DCP spreads the
 tensors held whole, Zero1's weights, over the ranks, so its largest file is under the
-prediction for one rank writing them all). The staging copy holds one rank's shard of the
-state: its predicted bytes per rank, in memory until the write ends.
+prediction for one rank writing them all). The staging copy, in memory until the write
+ends: :func:`parlib.cost.checkpoint.staging_bytes` predicted per rank against the storage the
+staged tensors hold on the busiest rank (``async_save_checkpoint(stats=...)``; the stager
+copies padded pieces, up to one element per sharded tensor more).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import parlib
-from parlib.cost.checkpoint import checkpoint_bytes
+from parlib.cost.checkpoint import checkpoint_bytes, staging_bytes
 from parlib.measure.tables import Table, fmt_bytes
 from parlib.model import ModelConfig, build_model, count_parameters, loss_fn, make_batch
 from parlib.strategies.checkpoint import async_save_checkpoint, save_checkpoint
@@ -87,17 +89,21 @@ def _rounds(strategy: str, cfg: ModelConfig, batch: int, rounds: int, folder: st
         times["save"].append(_seconds(lambda: save_checkpoint(path, net, opt, group=saves)))
         times["step + save"].append(times["save"][-1] + _seconds(
             lambda: _train_step(net, opt, x, y)))
-        future = []
+        future, staged = [], {}
         times["async call"].append(_seconds(lambda: future.append(async_save_checkpoint(
-            f"{path}-async", net, opt, group=saves))))
+            f"{path}-async", net, opt, group=saves, stats=staged))))
         times["step + async save"].append(times["async call"][-1] + _seconds(
             lambda: _train_step(net, opt, x, y)))
         future[0].result()
     total, largest = _sizes(f"{folder}/{strategy}-{n}-0")
-    predicted = checkpoint_bytes(count_parameters(build_model(cfg)), strategy, {"dp": n},
-                                 step_tensors=step_tensors)
+    params = count_parameters(build_model(cfg))
+    predicted = checkpoint_bytes(params, strategy, {"dp": n}, step_tensors=step_tensors)
+    busiest = torch.tensor([staged["staged_bytes"]])
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
     return {"times": {k: statistics.median(v) for k, v in times.items()},
-            "disk": (total, largest), "predicted": (predicted.total, predicted.per_rank)}
+            "disk": (total, largest), "predicted": (predicted.total, predicted.per_rank),
+            "staging": (staging_bytes(params, strategy, {"dp": n}, step_tensors=step_tensors),
+                        int(busiest.item()))}
 
 
 def _run(strategies: list[str], cfg: ModelConfig, batch: int, rounds: int, folder: str):
@@ -130,15 +136,18 @@ def main(argv: list[str] | None = None) -> int:
                     "step", "step + save", "step + async save", "async call")),
                     t["async call"] / t["save"]])
                 (disk_total, disk_rank), (want_total, want_rank) = res["disk"], res["predicted"]
+                staging_predicted, staged = res["staging"]
                 byte_rows.append([f"{strategy} x{n}", fmt_bytes(want_total),
                                   fmt_bytes(disk_total), disk_total / want_total,
                                   fmt_bytes(want_rank), fmt_bytes(disk_rank),
-                                  fmt_bytes(want_rank)])
+                                  fmt_bytes(staging_predicted), fmt_bytes(staged),
+                                  staged / staging_predicted])
     print(Table(["layout", "step ms", "+ save ms", "+ async save ms", "async call ms",
                  "async call / save"], time_rows,
                 title="Step time with a checkpoint save, blocking vs async (median)"))
     print(Table(["layout", "total predicted", "on disk", "disk/predicted", "rank predicted",
-                 "largest rank file", "staging copy"], byte_rows,
+                 "largest rank file", "staging predicted", "staged (busiest)",
+                 "staged/predicted"], byte_rows,
                 title="Checkpoint bytes: cost.checkpoint_bytes vs the files DCP wrote"))
     return 0
 

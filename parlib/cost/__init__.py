@@ -42,6 +42,7 @@ from parlib.cost.checkpoint import (
     checkpoint_overhead_per_hour,
     flat_shard_range,
     reshard_reads,
+    staging_bytes,
     young_daly_interval,
 )
 from parlib.cost.collectives import (
@@ -195,5 +196,6 @@ __all__ = [
     "checkpoint_overhead_per_hour",
     "flat_shard_range",
     "reshard_reads",
+    "staging_bytes",
     "young_daly_interval",
 ]

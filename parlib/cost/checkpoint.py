@@ -119,6 +119,25 @@ def checkpoint_bytes(n_params: float, strategy: str = "dp",
     return CheckpointBytes(sum(per_rank.values()), sum(total.values()), total, lay.world)
 
 
+def staging_bytes(n_params: float, strategy: str = "dp",
+                  layout: Layout | Mapping[str, int] | None = None, *,
+                  mixed_precision: bool = False, step_tensors: int = 0) -> float:
+    """Bytes of memory the staging copy of an asynchronous save holds on one rank until the
+    write ends: everything that rank holds of the checkpoint's state, its shards, its own
+    copy of every tensor held whole and its step counters (it copies before DCP decides
+    which rank writes a replicated tensor), which is :func:`checkpoint_bytes`' ``per_rank``.
+    Shards split evenly here; a rank that copies its padded piece stages up to one element
+    per sharded tensor more.
+
+    >>> staging_bytes(1000, "fsdp", {"dp": 4})       # 12 bytes a parameter, a quarter each
+    3000.0
+    >>> staging_bytes(1000, "zero1", {"dp": 4})      # the weights whole, Adam's state 1/4
+    6000.0
+    """
+    return checkpoint_bytes(n_params, strategy, layout, mixed_precision=mixed_precision,
+                            step_tensors=step_tensors).per_rank
+
+
 def flat_shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """Elements [start, stop) of a flat vector of ``numel`` that ``rank`` of ``world_size``
     holds (its real ones, padding excluded), as every sharded state of the course splits
@@ -194,4 +213,4 @@ def _require_positive(**values: float) -> None:
 
 __all__ = ["CHECKPOINT_STRATEGIES", "CheckpointBytes", "WRITERS", "checkpoint_bytes",
            "checkpoint_overhead_per_hour", "flat_shard_range", "reshard_reads",
-           "young_daly_interval"]
+           "staging_bytes", "young_daly_interval"]

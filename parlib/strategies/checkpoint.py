@@ -36,6 +36,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from parlib.strategies.checkpoint_pieces import (
     FlatPiece,
@@ -119,15 +121,22 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = 
 
 
 def async_save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: Any = None,
-                          *, extra: Mapping[str, Any] | None = None,
-                          group: Any = None) -> Future:
+                          *, extra: Mapping[str, Any] | None = None, group: Any = None,
+                          stats: dict[str, Any] | None = None) -> Future:
     """:func:`save_checkpoint` in the background (``dcp.async_save``): returns once the
     state is copied to a staging buffer, so training may change the weights; ``.result()``
-    on the returned future waits until it is on disk. Give it a ``group`` of its own."""
+    on the returned future waits until it is on disk. Give it a ``group`` of its own.
+    ``stats``: a dict that receives ``staged_bytes``, the memory the staging copy holds
+    on this rank until the write ends (:class:`CountingStager`)."""
+    stager = CountingStager()
     with sharded_tensors_quiet():
-        return dcp.async_save(checkpoint_state(model, optimizer, extra), checkpoint_id=path,
-                              process_group=group,
-                              planner=DefaultSavePlanner(flatten_state_dict=False))
+        future = dcp.async_save(checkpoint_state(model, optimizer, extra), checkpoint_id=path,
+                                process_group=group, async_stager=stager,
+                                planner=DefaultSavePlanner(flatten_state_dict=False))
+    stager.close()  # it staged synchronously: the copy is made, its executor not needed
+    if stats is not None:
+        stats["staged_bytes"] = stager.staged_bytes
+    return future
 
 
 class CountingLoadPlanner(DefaultLoadPlanner):
@@ -257,7 +266,45 @@ def _check_keys(state: dict[str, Any], metadata: Metadata, path: Any,
                                  f"{path}, {tuple(value.shape)} here: another model's")
 
 
-__all__ = ["CountingLoadPlanner", "FlatPiece", "RowsOfColumnsPiece", "STEP_PREFIX",
-           "SavedObject", "async_save_checkpoint", "checkpoint_path", "checkpoint_state",
-           "latest_checkpoint", "load_checkpoint", "model_pieces", "optimizer_state",
-           "save_checkpoint"]
+def storage_bytes(state: Any) -> int:
+    """The bytes of storage the tensors in ``state`` hold (a DTensor's or ShardedTensor's
+    local pieces; dicts and lists searched), each storage counted once, whole: a view of
+    part of a tensor holds all of its storage."""
+    storages: dict[int, int] = {}
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif isinstance(value, DTensor):
+            stack.append(value.to_local())
+        elif hasattr(value, "local_shards"):  # a ShardedTensor
+            stack.extend(shard.tensor for shard in value.local_shards())
+        elif isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class CountingStager(DefaultStager):
+    """DCP's default stager as ``dcp.async_save`` makes it on the CPU (a synchronous copy,
+    no pinned or shared memory) that records ``staged_bytes``: the storage its copy holds
+    (:func:`storage_bytes`). It copies each piece's whole storage, so a shard's padding
+    is staged too."""
+
+    def __init__(self) -> None:
+        super().__init__(StagingOptions(False, False, False, False))
+        self.staged_bytes = 0
+
+    def stage(self, state_dict: dict[str, Any], **kwargs: Any) -> Any:
+        staged = super().stage(state_dict, **kwargs)
+        self.staged_bytes = storage_bytes(staged)
+        return staged
+
+
+__all__ = ["CountingLoadPlanner", "CountingStager", "FlatPiece", "RowsOfColumnsPiece",
+           "STEP_PREFIX", "SavedObject", "async_save_checkpoint", "checkpoint_path",
+           "checkpoint_state", "latest_checkpoint", "load_checkpoint", "model_pieces",
+           "optimizer_state", "save_checkpoint", "storage_bytes"]

@@ -109,8 +109,9 @@ class RowsOfColumnsPiece:
 
         rank, t = dist.get_rank(self.group), dist.get_world_size(self.group)
         width, device = self.columns * t, local.device.type
+        owners = dist.get_process_group_ranks(self.group or dist.group.WORLD)  # global ranks
         boxes = [[ShardMetadata([i * width + r * self.columns], [self.columns],
-                                f"rank:{r}/{device}") for i in range(self.rows)]
+                                f"rank:{owners[r]}/{device}") for i in range(self.rows)]
                  for r in range(t)]
         mine = local.detach().view(self.rows, self.columns)
         metadata = ShardedTensorMetadata([b for per_rank in boxes for b in per_rank],

@@ -8,7 +8,11 @@ import pytest
 
 from parlib.cost.checkpoint import checkpoint_bytes, reshard_reads, young_daly_interval
 from parlib.course.check import check
-from parlib.course.questions.ch09 import RESHARD_SOLUTION, TOKEN_LOSS_SOLUTION
+from parlib.course.questions.ch09 import (
+    RESHARD_SOLUTION,
+    TOKEN_LOSS_SOLUTION,
+    ZERO1_STATE_SOLUTION,
+)
 from parlib.course.questions.ch09.reshard import CASES
 from parlib.course.questions.ch09.token_loss import _microbatches
 from parlib.course.registry import questions
@@ -17,7 +21,7 @@ from tests.helpers.learner_code import learner
 pytestmark = pytest.mark.usefixtures("clean_checks")
 
 ALL_IDS = {"09.checkpoint_bytes", "09.young_daly", "09.adam_step", "09.reshard_reads",
-           "09.global_token_loss"}
+           "09.global_token_loss", "09.zero1_checkpoint"}
 
 
 def _mutant(source: str, old: str, new: str) -> str:
@@ -25,12 +29,16 @@ def _mutant(source: str, old: str, new: str) -> str:
     return source.replace(old, new)
 
 
+DCP_IMPORTS = ("from torch.distributed.device_mesh import DeviceMesh\n"
+               "from torch.distributed.tensor import DTensor, Shard\n")
+
+
 def _grade(qid: str, src: str, name: str):
     import importlib
 
     questions_ = importlib.import_module("parlib.course.questions.ch09")  # registers them
     assert questions_
-    return check(qid, learner(src, name, "import torch.nn.functional as F\n"))
+    return check(qid, learner(src, name, "import torch.nn.functional as F\n" + DCP_IMPORTS))
 
 
 def test_ch09_questions_registered():
@@ -222,8 +230,94 @@ def test_the_world_group_mistake_fails_only_on_the_sub_groups():
     assert "two groups of 2" in r.message, r.message
 
 
+# --------------------------------------------------------------------------- Zero1 with DCP
+
+
+def _zero1(old: str, new: str) -> str:
+    return _mutant(ZERO1_STATE_SOLUTION, old, new)
+
+
+# wrong answer -> (its source, words of its hint, the diagnosis it must reach)
+ZERO1_MUTANTS = {
+    # the pieces at the wrong offsets: no global shape, DTensor assumes even pieces
+    "no_global_shape": (_zero1("value[:real], mesh, [Shard(0)], shape=(numel,), stride=(1,),",
+                               "value[:real], mesh, [Shard(0)],"),
+                        "puts the pieces at the wrong offsets", "wrong_offsets"),
+    # a shard read from the wrong offset inside the piece: its real elements taken from the end
+    "real_elements_from_the_end": (_zero1("value[:real], mesh,",
+                                          "value[shard.size - real:], mesh,"),
+                                   "the padding comes last", "wrong_state"),
+    "step_not_saved": (_zero1("            if value.dim() == 0:  # Adam's step: the same on "
+                              "every rank, saved once\n"
+                              "                state[f\"flat{i}.{name}\"] = value\n",
+                              "            if value.dim() == 0:  # the step: not a piece\n"
+                              "                continue\n"),
+                       "step count is 1", "step_not_saved"),
+    # saved, but loaded into a copy on the one rank whose piece is short
+    "copied_on_the_short_rank": (_zero1("value[:real], mesh,",
+                                        "value[:real] if real == shard.size "
+                                        "else value[:real].clone(), mesh,"),
+                                 "saved but not loaded", "moments_not_loaded"),
+    "only_rank_0_saves": (_zero1("    return state\n", "    return state if rank == 0 else {}\n"),
+                          "only rank 0's shard", "pieces_missing"),
+    # plain tensors: DCP takes them as replicated and writes rank 0's piece only
+    "plain_tensors": (_zero1("DTensor.from_local(\n                    value[:real], mesh, "
+                             "[Shard(0)], shape=(numel,), stride=(1,),\n"
+                             "                    run_check=False)", "value[:real]"),
+                      "rank 0's piece only", "saved_once"),
+    "global_rank": (_zero1("    rank = mesh.get_local_rank()", "    rank = dist.get_rank()"),
+                    "not by its global rank", "group_rank"),
+    "names_by_world_size": (_zero1("state[f\"flat{i}.{name}\"] = DTensor",
+                                   "state[f\"flat{i}.{name}.{mesh.size()}\"] = DTensor"),
+                            "Missing key", "dcp_refused"),
+    "returns_a_list": (_zero1("    return state\n", "    return list(state.values())\n"),
+                       "returned a list", "not_a_dict"),
+}
+
+
+def test_zero1_checkpoint_accepts_the_worked_answer():
+    r = _grade("09.zero1_checkpoint", ZERO1_STATE_SOLUTION, "zero1_state")
+    assert r.passed, r.message
+
+
+@pytest.mark.parametrize("mutant", list(ZERO1_MUTANTS))
+def test_zero1_checkpoint_rejects_mutant(mutant):
+    src, hint, diagnosis = ZERO1_MUTANTS[mutant]
+    r = _grade("09.zero1_checkpoint", src, "zero1_state")
+    assert r.status == "failed" and hint in r.message, r.message
+    assert r.diagnosis == diagnosis, (r.diagnosis, r.message)
+
+
+def test_zero1_checkpoint_names_the_one_rank_whose_moments_were_not_loaded():
+    r = _grade("09.zero1_checkpoint", ZERO1_MUTANTS["copied_on_the_short_rank"][0],
+               "zero1_state")
+    assert "ranks with unloaded moments: [3]" in r.message, r.message
+
+
+def test_zero1_checkpoint_settings_are_uneven_with_an_empty_piece_and_sub_groups():
+    from parlib.course.questions.ch09.zero1_checkpoint import SCENARIOS, Small, param_groups
+
+    sizes = [sum(p.numel() for p in g["params"]) for g in param_groups(Small())]
+    worlds = {len(ranks) for _, saved, loaded in SCENARIOS for ranks in (saved, loaded)}
+    assert all(sizes[0] % n for n in worlds)  # no world size divides the weights
+    assert -(-sizes[1] // 4) * 3 >= sizes[1]  # rank 3 of 4 holds no bias
+    assert any(len(s) % len(t) and len(t) % len(s) for _, s, t in SCENARIOS)  # 3 -> 2
+    assert any(list(t) != list(range(len(t))) for _, _, t in SCENARIOS)  # {1, 3}, {0, 3}
+
+
+def test_zero1_checkpoint_reference_is_what_zero1_on_one_rank_would_resume_to():
+    """The check's reference moments are torch's AdamW's, flattened per parameter group in
+    Zero1's order: the flat vectors Zero1 keeps."""
+    from parlib.course.questions.ch09.zero1_checkpoint import SAVE_AT, reference
+
+    ref = reference()
+    assert [v.numel() for v in ref["moments"]["exp_avg"]] == [35, 9]
+    assert len(ref["losses"]) == len(ref["weights"]) > 0 and SAVE_AT > 1
+
+
 @pytest.mark.parametrize("qid, mutants", [("09.reshard_reads", RESHARD_MUTANTS),
-                                          ("09.global_token_loss", TOKEN_MUTANTS)])
+                                          ("09.global_token_loss", TOKEN_MUTANTS),
+                                          ("09.zero1_checkpoint", ZERO1_MUTANTS)])
 def test_every_diagnosis_has_a_wrong_answer_that_reaches_it(qid, mutants):
     import parlib.course.questions.ch09  # noqa: F401
 
@@ -245,6 +339,8 @@ def test_stubs_are_not_attempted():
     stub = ("def reshard_plan(numel, saved_world_size, world_size, rank):\n"
             "    raise NotImplementedError\n")
     assert _grade("09.reshard_reads", stub, "reshard_plan").status == "not attempted"
+    stub = "def zero1_state(optimizer):\n    raise NotImplementedError\n"
+    assert _grade("09.zero1_checkpoint", stub, "zero1_state").status == "not attempted"
 
 
 @pytest.mark.parametrize("mutant", ["floor_split", "array_split"])
@@ -296,3 +392,57 @@ def test_adam_step_key_is_the_optimizers_own_behaviour():
     ratio = update(1) / update(10_000)
     assert torch.allclose(ratio, torch.full((3,), resumed_update_scale(1)), rtol=1e-3)
     assert resumed_update_scale(1) < 0.5  # several times smaller, not larger
+
+
+def _round_trip_on_even_sizes(fn, folder: str) -> bool:
+    """Zero1 over one vector of 8 elements, which 4 and 2 divide: saved by the 4 ranks,
+    loaded by ranks {0, 1}, the first ranks of the world. True where rank r's loaded
+    exp_avg is the saved run's piece r."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from parlib.strategies.zero import Zero1
+
+    rank = dist.get_rank()
+    groups = dist.new_group([0, 1, 2, 3]), dist.new_group([0, 1])
+    weight = torch.nn.Parameter(torch.arange(8.0))
+    opt = Zero1([weight], torch.optim.AdamW, lr=0.1, group=groups[0])
+    weight.grad = torch.full((8,), rank + 1.0)
+    opt.step()
+    full = torch.empty(8)
+    dist.all_gather_into_tensor(full, opt.optimizer.state[opt.shards[0].tensor]["exp_avg"])
+    dcp.save(fn(opt), checkpoint_id=folder, process_group=groups[0])
+    if rank >= 2:
+        return True
+    fresh = torch.nn.Parameter(torch.zeros(8))
+    loaded = Zero1([fresh], torch.optim.AdamW, lr=0.0, group=groups[1])
+    fresh.grad = torch.zeros(8)
+    loaded.step()  # the state to load into, as the check creates it
+    dcp.load(fn(loaded), checkpoint_id=folder, process_group=groups[1])
+    got = loaded.optimizer.state[loaded.shards[0].tensor]["exp_avg"]
+    return torch.equal(got, full[4 * rank:4 * rank + 4])
+
+
+@pytest.mark.parametrize("mutant", ["no_global_shape", "global_rank",
+                                    "copied_on_the_short_rank"])
+def test_zero1_mistakes_that_only_uneven_sizes_or_sub_groups_part(tmp_path, mutant):
+    """Right where every size divides and the group is the world's first ranks: only the
+    check's uneven vectors (no global shape, the short rank's copy) and its sub-group {1, 3}
+    (the global rank taken for the group's) catch them."""
+    import parlib
+
+    fn = learner(ZERO1_MUTANTS[mutant][0], "zero1_state", DCP_IMPORTS)
+    assert all(parlib.launch(_round_trip_on_even_sizes, fn, str(tmp_path), world_size=4,
+                             timeout=120))
+
+
+def test_the_even_round_trip_can_fail(tmp_path):
+    """The ground of the test above: moments loaded into copies on every rank come back
+    wrong there too."""
+    import parlib
+
+    src = _zero1("value[:real], mesh,", "value[:real].clone(), mesh,")
+    fn = learner(src, "zero1_state", DCP_IMPORTS)
+    assert not any(parlib.launch(_round_trip_on_even_sizes, fn, str(tmp_path), world_size=4,
+                                 timeout=120)[:2])

@@ -1,4 +1,5 @@
-"""bench/checkpoint.py runs on a tiny model: both tables, every layout, the ratios."""
+"""bench/checkpoint.py runs on a tiny model: both tables, every layout, the ratios, the
+staging copy measured next to its prediction."""
 
 from __future__ import annotations
 
@@ -23,3 +24,4 @@ def test_checkpoint_bench_prints_times_and_bytes(capsys):
     out = capsys.readouterr().out
     assert "async call / save" in out and "disk/predicted" in out
     assert "fsdp x2" in out and "zero1 x2" in out
+    assert "staged (busiest)" in out and "staged/predicted" in out
