@@ -20,8 +20,11 @@ no tags. :func:`nccl_rules` holds any code to those rules on gloo, so that what 
 the CPU holds under NCCL: inside it (or in every process started with the environment
 variable ``PARLIB_NCCL_RULES=1``) torch.distributed's ``isend``, ``irecv``, ``send``,
 ``recv`` and ``batch_isend_irecv`` drop their tags (gloo then matches by order, as NCCL
-does) and refuse, naming the peer, an unbatched send and receive to one peer that are both
-outstanding (posted and not yet waited for), and a receive from any source::
+does), refuse, naming the peer, an unbatched send and receive to one peer that are both
+outstanding (posted and not yet waited for) and a receive from any source, and run in
+NCCL's order: a batch gets one work, a group's batches complete one at a time in the
+order posted, a send waits for its receiver (see ``_Stream``); a wait stuck in that order
+raises instead of hanging::
 
     with parlib.comm.nccl_rules():
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
@@ -277,22 +280,38 @@ def _ruled(kind: str) -> Any:
 
 
 def _ruled_batch(p2p_op_list: list[Any]) -> list[Any]:
-    """batch_isend_irecv under the rules: its ops copied with the tag dropped and ``op``
-    the rules' own isend / irecv (torch tells sends from receives by identity); on a
-    backend other than NCCL, one work for the batch, run on the group's emulated stream."""
-    twins, parts = [], []
-    for p2p_op in p2p_op_list:
+    """batch_isend_irecv under the rules, the tags dropped. On NCCL: torch's, its ops
+    copied with ``op`` the rules' own isend / irecv (torch tells sends from receives by
+    identity). Elsewhere: one work for the batch, run on the group's emulated stream."""
+    group = p2p_op_list[0].group if p2p_op_list else None
+    kinds = ["isend" if getattr(p2p_op.op, "__name__", "") == "isend" else "irecv"
+             for p2p_op in p2p_op_list]
+    what = ", ".join(f"{'send to' if kind == 'isend' else 'receive from'} rank "
+                     f"{p2p_op.peer} ({_size(p2p_op.tensor)})"
+                     for kind, p2p_op in zip(kinds, p2p_op_list))
+    if p2p_op_list and _c10d.get_backend(group) != "nccl":
+        return [_post(("batch", id(group)), group,
+                      lambda: [_post_plain(kind, p2p_op) for kind, p2p_op in
+                               zip(kinds, p2p_op_list)], what)]
+    twins = []
+    for kind, p2p_op in zip(kinds, p2p_op_list):
         twin = object.__new__(type(p2p_op))  # P2POp.__new__ would check the op again
         twin.__dict__.update(vars(p2p_op))
-        kind = "isend" if getattr(p2p_op.op, "__name__", "") == "isend" else "irecv"
         twin.op, twin.tag = getattr(_c10d, kind), 0
         twins.append(twin)
-        parts.append(f"{'send to' if kind == 'isend' else 'receive from'} rank "
-                     f"{p2p_op.peer} ({_size(p2p_op.tensor)})")
-    group = p2p_op_list[0].group if p2p_op_list else None
-    work = _post(("batch", id(group)), group,
-                 lambda: _displaced["batch_isend_irecv"](twins), ", ".join(parts))
-    return work if isinstance(work, list) else [work]
+    _rules.batching = True  # the ops are the rules' own: post them as they are
+    try:
+        return _displaced["batch_isend_irecv"](twins)
+    finally:
+        _rules.batching = False
+
+
+def _post_plain(kind: str, p2p_op: Any) -> Any:
+    """One op of a batch, as torch posts it on a backend without coalescing, tag 0."""
+    way = "dst" if kind == "isend" else "src"
+    group_peer = getattr(p2p_op, "group_peer", None)
+    peer = {f"group_{way}": group_peer} if group_peer is not None else {way: p2p_op.peer}
+    return _displaced[kind](p2p_op.tensor, group=p2p_op.group, tag=0, **peer)
 
 
 def _size(tensor: torch.Tensor) -> str:
@@ -361,12 +380,11 @@ class _Stream:
         return batch
 
     def _run(self) -> None:
-        _rules.batching = True  # the ops are the rules' own: post them as they are
         while True:
             with self.ready:
                 while not self.queue and not self.closed:
                     self.ready.wait()
-                if self.closed:
+                if not self.queue:  # closed, and every batch posted before it run
                     return
                 self.running = batch = self.queue.popleft()
             try:
@@ -397,11 +415,7 @@ class _Stream:
 def _post(key: tuple[Any, ...], group: Any, start: Any, what: str) -> Any:
     """Post a batch: as torch does on NCCL (the real thing), on its stream elsewhere."""
     if _c10d.get_backend(group) == "nccl":
-        _rules.batching = True  # the ops are the rules' own: post them as they are
-        try:
-            return start()
-        finally:
-            _rules.batching = False
+        return start()
     with _streams_lock:
         stream = _streams.get(key)
         if stream is None:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -145,24 +146,74 @@ def test_the_environment_variable_turns_the_rules_on_for_a_process():
         assert run.stdout.strip() == want
 
 
+# ---- NCCL's order: one work per batch, a group's batches one at a time, in order
+
+
+def _order_patterns(limit: float) -> dict[str, object]:
+    """On two ranks: a batch's works, and a receive posted ahead of a send in batches of
+    their own (each rank's receive holds back its send, which the other's receive needs:
+    gloo runs it, NCCL hangs)."""
+    peer = 1 - dist.get_rank()
+    mine, theirs = torch.full((4,), float(dist.get_rank())), torch.empty(4)
+    out: dict[str, object] = {}
+    with comm.nccl_rules(deadlock_after_s=limit):
+        works = comm.exchange([(mine, peer)], [(theirs, peer)])
+        out["works"] = len(works)
+        for work in works:
+            work.wait()
+        out["exchanged"] = theirs.tolist()
+        ahead = comm.exchange([], [(theirs, peer)])
+        behind = comm.exchange([(mine, peer)], [])
+        start = time.monotonic()
+        try:
+            for work in ahead + behind:
+                work.wait()
+            out["ahead"] = "ran"
+        except RuntimeError as err:
+            out["ahead"] = str(err)
+        out["seconds"] = time.monotonic() - start
+    return out
+
+
+def test_a_batch_has_one_work_and_a_receive_posted_ahead_of_its_send_raises_not_hangs():
+    for rank, out in enumerate(parlib.launch(_order_patterns, 3.0, world_size=2, timeout=60)):
+        peer = 1 - rank
+        assert out["works"] == 1  # as ProcessGroupNCCL's coalesced batch: one work
+        assert out["exchanged"] == [float(peer)] * 4
+        assert out["ahead"].startswith(
+            f"rank {rank}: deadlock under NCCL's rules: batch 2 (receive from rank {peer} "
+            f"(4 x float32)) on the group [0, 1] stream has not completed in 3 s"), out["ahead"]
+        assert "in the order posted" in out["ahead"]
+        assert out["seconds"] < 30
+
+
 # ---- the strategies under the rules equal one device
+
+
+def _every_m(p: int) -> list[tuple[str, int, int]]:
+    """Each schedule with fewer, as many and more microbatches than the p ranks (the
+    interleaved order needs m a multiple of p)."""
+    return [(name, m, v) for m in (max(p // 2, 1), p, 2 * p) for name, _, v in EVERY_SCHEDULE
+            if v == 1 or m % p == 0]
 
 
 def _schedules_under_rules():
     from tests.helpers.pipeline_ranks import schedules_on_ranks
 
-    with comm.nccl_rules():
-        return schedules_on_ranks(CFG8, EVERY_SCHEDULE)
+    # a deadlock in NCCL's order raises after 20 s (the old runner's did, interleaved on 2
+    # ranks, whose two neighbours are one rank) instead of waiting for the launch timeout
+    with comm.nccl_rules(deadlock_after_s=20):
+        return schedules_on_ranks(CFG8, _every_m(dist.get_world_size()))
 
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_pipeline_schedule_under_the_rules_equals_one_device(p):
-    res = parlib.launch(_schedules_under_rules, world_size=p, timeout=120)
+    res = parlib.launch(_schedules_under_rules, world_size=p, timeout=240)
     ref = verify.reference_step(CFG8, seed=0, batch_size=8)
-    for k, (name, _, v) in enumerate(EVERY_SCHEDULE):
-        assert res[-1][k]["loss"] == pytest.approx(ref["loss"], rel=1e-5), name
+    for k, (name, m, v) in enumerate(_every_m(p)):
+        assert res[-1][k]["loss"] == pytest.approx(ref["loss"], rel=1e-5), (name, m)
         same = verify.compare(runs.gather_grads([r[k] for r in res]), ref["grads"])
-        assert same, (name, v, same)
+        assert same, (name, m, v, same)
 
 
 def _ring_and_experts_under_rules():
