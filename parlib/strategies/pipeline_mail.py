@@ -40,7 +40,8 @@ class _Mailbox:
     its sender has computed it from earlier messages: every message completes.
     :func:`parlib.comm.nccl_rules` emulates those rules on gloo; under it GPipe, 1F1B,
     interleaved (v = 2) and ZB-H1 run equal to one device on 2 and 4 ranks, with fewer,
-    as many and more microbatches than ranks."""
+    as many and more microbatches than ranks (the interleaved order takes m a multiple
+    of p)."""
 
     def __init__(self, device: torch.device, shape: tuple[int, ...],
                  plan: list[tuple[str, int, int]] | None) -> None:

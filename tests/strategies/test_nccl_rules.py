@@ -138,9 +138,9 @@ def test_the_rules_put_torch_back_and_nest():
 
 
 def test_the_environment_variable_turns_the_rules_on_for_a_process():
-    code = "import parlib.comm as c; print(c.nccl_rules_on())"
-    for value, want in (("1", "True"), ("0", "False")):
-        env = {**os.environ, "PARLIB_NCCL_RULES": value}
+    code = "import parlib.comm as c; print(c.nccl_rules_on(), c._deadlock_after)"
+    for value, limit, want in (("1", "7", "True 7.0"), ("0", "", "False 60.0")):
+        env = {**os.environ, "PARLIB_NCCL_RULES": value, "PARLIB_NCCL_DEADLOCK_S": limit}
         run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, check=True)
         assert run.stdout.strip() == want
