@@ -35,7 +35,8 @@ class _Mailbox:
     and a send beyond its buffers waits for the receiver's batch to start. Messages
     posted in each rank's own convenient order (an op's sends with the next op's receive,
     as this runner once did) can then wait on each other in a cycle: the interleaved
-    order (v = 2) on 2 ranks, whose two neighbours are one rank, deadlocked so. In one
+    order (v = 2) deadlocked so on 2 ranks, whose two neighbours are one rank, and on 4
+    ranks with m = 8 (GPipe, 1F1B and ZB-H1 ran). In one
     shared order the first unfinished message is first in line on both its ranks, and
     its sender has computed it from earlier messages: every message completes.
     :func:`parlib.comm.nccl_rules` emulates those rules on gloo; under it GPipe, 1F1B,
