@@ -280,38 +280,33 @@ def _ruled(kind: str) -> Any:
 
 
 def _ruled_batch(p2p_op_list: list[Any]) -> list[Any]:
-    """batch_isend_irecv under the rules, the tags dropped. On NCCL: torch's, its ops
-    copied with ``op`` the rules' own isend / irecv (torch tells sends from receives by
-    identity). Elsewhere: one work for the batch, run on the group's emulated stream."""
+    """batch_isend_irecv under the rules: torch's (or the wrapper it displaced), given
+    copies of the ops with the tag dropped. On NCCL as it is; elsewhere one work for the
+    batch, run on the group's emulated stream."""
     group = p2p_op_list[0].group if p2p_op_list else None
     kinds = ["isend" if getattr(p2p_op.op, "__name__", "") == "isend" else "irecv"
              for p2p_op in p2p_op_list]
     what = ", ".join(f"{'send to' if kind == 'isend' else 'receive from'} rank "
                      f"{p2p_op.peer} ({_size(p2p_op.tensor)})"
                      for kind, p2p_op in zip(kinds, p2p_op_list))
-    if p2p_op_list and _c10d.get_backend(group) != "nccl":
-        return [_post(("batch", id(group)), group,
-                      lambda: [_post_plain(kind, p2p_op) for kind, p2p_op in
-                               zip(kinds, p2p_op_list)], what)]
-    twins = []
-    for kind, p2p_op in zip(kinds, p2p_op_list):
-        twin = object.__new__(type(p2p_op))  # P2POp.__new__ would check the op again
-        twin.__dict__.update(vars(p2p_op))
-        twin.op, twin.tag = getattr(_c10d, kind), 0
-        twins.append(twin)
-    _rules.batching = True  # the ops are the rules' own: post them as they are
-    try:
-        return _displaced["batch_isend_irecv"](twins)
-    finally:
-        _rules.batching = False
 
+    def start() -> list[Any]:
+        twins = []
+        for kind, p2p_op in zip(kinds, p2p_op_list):
+            twin = object.__new__(type(p2p_op))  # P2POp.__new__ would check the op again
+            twin.__dict__.update(vars(p2p_op))
+            # torch tells sends from receives by identity with the isend it has when the
+            # batch starts (the rules' own, or torch's again once the rules are left)
+            twin.op, twin.tag = getattr(_c10d, kind), 0
+            twins.append(twin)
+        _rules.batching = True  # the ops are the rules' own: post them as they are
+        try:
+            return _displaced["batch_isend_irecv"](twins)
+        finally:
+            _rules.batching = False
 
-def _post_plain(kind: str, p2p_op: Any) -> Any:
-    """One op of a batch, as torch posts it on a backend without coalescing, tag 0."""
-    way = "dst" if kind == "isend" else "src"
-    group_peer = getattr(p2p_op, "group_peer", None)
-    peer = {f"group_{way}": group_peer} if group_peer is not None else {way: p2p_op.peer}
-    return _displaced[kind](p2p_op.tensor, group=p2p_op.group, tag=0, **peer)
+    work = _post(("batch", id(group)), group, start, what)
+    return work if isinstance(work, list) else [work]
 
 
 def _size(tensor: torch.Tensor) -> str:
