@@ -322,9 +322,12 @@ def _size(tensor: torch.Tensor) -> str:
 # complete into NCCL's buffers before its receive starts, a large one (beyond the buffer,
 # 4 MiB by default) waits for it. The emulation models the worst case, the one a learner
 # on real GPUs meets with real sizes: a send completes only once its receive has started
-# (gloo's sends already wait for the receiver). Each stream is a thread posting one batch
-# on gloo, waiting for all of it, then the next; what passes under it runs under NCCL
-# whatever the sizes. Not modelled: collectives, which share the stream on NCCL.
+# (gloo's sends already wait for the receiver: a send of 4 floats or of 16 MB waited 3 s
+# for a receive posted 3 s late). Each stream is a thread posting one batch on gloo,
+# waiting for all of it, then the next; what passes under it runs under NCCL whatever the
+# sizes. A wait blocks the CPU here where on NCCL it blocks the compute stream: the same
+# dependencies, posted in the same order. Not modelled: collectives, which share the
+# group's stream on NCCL.
 _streams: dict[tuple[Any, ...], _Stream] = {}
 _streams_lock = threading.Lock()
 DEADLOCK_AFTER_S = 60.0  # a wait with no batch of its stream finishing for this long
