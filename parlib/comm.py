@@ -20,8 +20,11 @@ no tags. :func:`nccl_rules` holds any code to those rules on gloo, so that what 
 the CPU holds under NCCL: inside it (or in every process started with the environment
 variable ``PARLIB_NCCL_RULES=1``) torch.distributed's ``isend``, ``irecv``, ``send``,
 ``recv`` and ``batch_isend_irecv`` drop their tags (gloo then matches by order, as NCCL
-does) and refuse, naming the peer, an unbatched send and receive to one peer that are both
-outstanding (posted and not yet waited for), and a receive from any source::
+does), refuse, naming the peer, an unbatched send and receive to one peer that are both
+outstanding (posted and not yet waited for) and a receive from any source, and run in
+NCCL's order: a batch gets one work, a group's batches complete one at a time in the
+order posted, a send waits for its receiver (see ``_Stream``); a wait stuck in that order
+raises instead of hanging::
 
     with parlib.comm.nccl_rules():
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
@@ -34,7 +37,9 @@ import functools
 import inspect
 import os
 import threading
+import time
 import warnings
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -245,7 +250,8 @@ def _refuse_pair(kind: str, peer: int) -> None:
 
 
 def _ruled(kind: str) -> Any:
-    """isend or irecv under the rules: the tag dropped, an unbatched pair refused."""
+    """isend or irecv under the rules: the tag dropped, an unbatched pair refused, and on
+    a backend other than NCCL the message run on its pair's emulated stream."""
     original = _displaced[kind]
     signature = inspect.signature(original)
     way = "dst" if kind == "isend" else "src"
@@ -257,11 +263,15 @@ def _ruled(kind: str) -> Any:
         if getattr(_rules, "batching", False):
             return original(*call.args, **call.kwargs)
         got = call.arguments
-        global_peer = _peer(got.get("group"), got.get(way), got.get(f"group_{way}"), kind)
+        group = got.get("group")
+        global_peer = _peer(group, got.get(way), got.get(f"group_{way}"), kind)
         _refuse_pair(kind, global_peer)
-        work = original(*call.args, **call.kwargs)
-        if work is None:  # this rank is not in the group
-            return None
+        if dist.get_rank(group or dist.group.WORLD) < 0:
+            return None  # this rank is not in the group: torch posts nothing
+        work = _post(("pair", id(group), global_peer), group,
+                     lambda: original(*call.args, **call.kwargs),
+                     f"{kind} {'to' if kind == 'isend' else 'from'} rank {global_peer} "
+                     f"({_size(got['tensor'])})")
         tracked = _Unbatched(kind, global_peer, work)
         _outstanding.append(tracked)
         return tracked
@@ -270,20 +280,156 @@ def _ruled(kind: str) -> Any:
 
 
 def _ruled_batch(p2p_op_list: list[Any]) -> list[Any]:
-    """batch_isend_irecv under the rules: its ops copied with the tag dropped and ``op``
-    the rules' own isend / irecv (torch tells sends from receives by identity)."""
-    twins = []
-    for p2p_op in p2p_op_list:
-        twin = object.__new__(type(p2p_op))  # P2POp.__new__ would check the op again
-        twin.__dict__.update(vars(p2p_op))
-        kind = "isend" if getattr(p2p_op.op, "__name__", "") == "isend" else "irecv"
-        twin.op, twin.tag = getattr(_c10d, kind), 0
-        twins.append(twin)
-    _rules.batching = True
-    try:
-        return _displaced["batch_isend_irecv"](twins)
-    finally:
-        _rules.batching = False
+    """batch_isend_irecv under the rules: torch's (or the wrapper it displaced), given
+    copies of the ops with the tag dropped. On NCCL as it is; elsewhere one work for the
+    batch, run on the group's emulated stream."""
+    group = p2p_op_list[0].group if p2p_op_list else None
+    kinds = ["isend" if getattr(p2p_op.op, "__name__", "") == "isend" else "irecv"
+             for p2p_op in p2p_op_list]
+    what = ", ".join(f"{'send to' if kind == 'isend' else 'receive from'} rank "
+                     f"{p2p_op.peer} ({_size(p2p_op.tensor)})"
+                     for kind, p2p_op in zip(kinds, p2p_op_list))
+
+    def start() -> list[Any]:
+        twins = []
+        for kind, p2p_op in zip(kinds, p2p_op_list):
+            twin = object.__new__(type(p2p_op))  # P2POp.__new__ would check the op again
+            twin.__dict__.update(vars(p2p_op))
+            # torch tells sends from receives by identity with the isend it has when the
+            # batch starts (the rules' own, or torch's again once the rules are left)
+            twin.op, twin.tag = getattr(_c10d, kind), 0
+            twins.append(twin)
+        _rules.batching = True  # the ops are the rules' own: post them as they are
+        try:
+            return _displaced["batch_isend_irecv"](twins)
+        finally:
+            _rules.batching = False
+
+    work = _post(("batch", id(group)), group, start, what)
+    return work if isinstance(work, list) else [work]
+
+
+def _size(tensor: torch.Tensor) -> str:
+    return f"{tensor.numel()} x {str(tensor.dtype).replace('torch.', '')}"
+
+
+# NCCL's order, emulated. ProcessGroupNCCL runs a batch_isend_irecv as one
+# ncclGroupStart/End on the group's communicator and gives it one work: waiting for any
+# part waits for the whole batch. Each communicator has one CUDA stream, so a group's
+# batches run one after another in the order posted (an unbatched isend / irecv goes to
+# a communicator of its own for the pair of ranks: in order per pair). NCCL documents a
+# send and a receive as blocking for the GPU until matched; a small send may in fact
+# complete into NCCL's buffers before its receive starts, a large one (beyond the buffer,
+# 4 MiB by default) waits for it. The emulation models the worst case, the one a learner
+# on real GPUs meets with real sizes: a send completes only once its receive has started
+# (gloo's sends already wait for the receiver: a send of 4 floats or of 16 MB waited 3 s
+# for a receive posted 3 s late). Each stream is a thread posting one batch on gloo,
+# waiting for all of it, then the next; what passes under it runs under NCCL whatever the
+# sizes. A wait blocks the CPU here where on NCCL it blocks the compute stream: the same
+# dependencies, posted in the same order. Not modelled: collectives, which share the
+# group's stream on NCCL.
+_streams: dict[tuple[Any, ...], _Stream] = {}
+_streams_lock = threading.Lock()
+DEADLOCK_AFTER_S = 60.0  # a wait with no batch of its stream finishing for this long
+
+
+class _Batch:
+    """One posted batch (or unbatched message) on an emulated stream: its one work."""
+
+    def __init__(self, stream: _Stream, start: Any, what: str, position: int) -> None:
+        self.stream, self.start, self.what, self.position = stream, start, what, position
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self, timeout: Any = None) -> bool:
+        while not self.done.wait(1.0):
+            if time.monotonic() - self.stream.progress > _deadlock_after:
+                raise RuntimeError(self.stream.stuck(self))
+        if self.error is not None:
+            raise RuntimeError(f"rank {self.stream.rank}: batch ({self.what}) failed: "
+                               f"{self.error}") from self.error
+        return True
+
+
+class _Stream:
+    """A communicator's stream, emulated: its batches run one at a time, in posting
+    order, each until all its messages are done."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.rank = name, dist.get_rank()
+        self.queue: deque[_Batch] = deque()
+        self.ready = threading.Condition()
+        self.posted, self.running = 0, None
+        self.progress = time.monotonic()  # when a batch last finished (or was posted idle)
+        self.closed = False
+        threading.Thread(target=self._run, daemon=True, name=f"nccl-rules {name}").start()
+
+    def post(self, start: Any, what: str) -> _Batch:
+        with self.ready:
+            self.posted += 1
+            batch = _Batch(self, start, what, self.posted)
+            if self.running is None and not self.queue:
+                self.progress = time.monotonic()
+            self.queue.append(batch)
+            self.ready.notify()
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            with self.ready:
+                while not self.queue and not self.closed:
+                    self.ready.wait()
+                if not self.queue:  # closed, and every batch posted before it run
+                    return
+                self.running = batch = self.queue.popleft()
+            try:
+                works = batch.start()
+                for work in works if isinstance(works, list) else [works]:
+                    if work is not None:
+                        work.wait()
+            except BaseException as err:  # noqa: BLE001 - handed to whoever waits
+                batch.error = err
+            with self.ready:
+                self.running, self.progress = None, time.monotonic()
+            batch.done.set()
+
+    def stuck(self, waited: _Batch) -> str:
+        head = self.running or waited
+        where = f"batch {head.position} ({head.what}) on the {self.name} stream"
+        if head is not waited:
+            where = (f"batch {waited.position} ({waited.what}), waited for, is behind "
+                     + where)
+        return (
+            f"rank {self.rank}: deadlock under NCCL's rules: {where} has not completed in "
+            f"{_deadlock_after:g} s. NCCL runs a group's batches one at a time in the order "
+            "posted, each until every send and receive in it is done, and a send waits for "
+            "its receiver's batch to start: post the messages a peer waits for in an order "
+            "both ranks reach (or in one batch)")
+
+
+def _post(key: tuple[Any, ...], group: Any, start: Any, what: str) -> Any:
+    """Post a batch: as torch does on NCCL (the real thing), on its stream elsewhere."""
+    if _c10d.get_backend(group) == "nccl":
+        return start()
+    with _streams_lock:
+        stream = _streams.get(key)
+        if stream is None:
+            name = (f"rank {dist.get_rank()}-{key[2]} pair" if key[0] == "pair" else
+                    f"group {_ranks_of(group if group is not None else dist.group.WORLD)}")
+            stream = _streams[key] = _Stream(name)
+    return stream.post(start, what)
+
+
+def _close_streams() -> None:
+    with _streams_lock:
+        for stream in _streams.values():
+            with stream.ready:
+                stream.closed = True
+                stream.ready.notify()
+        _streams.clear()
 
 
 def _install(on: bool) -> None:
@@ -304,16 +450,22 @@ def nccl_rules_on() -> bool:
 
 
 @contextmanager
-def nccl_rules() -> Iterator[None]:
+def nccl_rules(deadlock_after_s: float | None = None) -> Iterator[None]:
     """Within: torch.distributed's point-to-point functions follow NCCL's rules on any
     backend (tags dropped; an unbatched send and receive to one peer, both outstanding,
-    refused with an error naming the peer; a receive from any source refused). Nests;
-    ``PARLIB_NCCL_RULES=1`` in the environment turns them on for the whole process."""
-    global _depth
+    refused with an error naming the peer; a receive from any source refused) and run in
+    NCCL's order: a batch has one work, a group's batches complete one at a time in the
+    order posted, and a send waits for its receiver. A wait that sees no batch of its
+    stream finish for ``deadlock_after_s`` seconds (default :data:`DEADLOCK_AFTER_S`, or
+    ``PARLIB_NCCL_DEADLOCK_S``) raises, naming the batch it is stuck behind: under NCCL
+    that wait would hang. Nests (the outermost sets the limit); ``PARLIB_NCCL_RULES=1`` in
+    the environment turns the rules on for the whole process."""
+    global _depth, _deadlock_after
     if _c10d is None:
         raise RuntimeError("nccl_rules needs torch.distributed, which this torch lacks")
     if _depth == 0:
         _outstanding.clear()
+        _deadlock_after = _default_limit() if deadlock_after_s is None else deadlock_after_s
         _install(True)
     _depth += 1
     try:
@@ -322,12 +474,20 @@ def nccl_rules() -> Iterator[None]:
         _depth -= 1
         if _depth == 0:
             _install(False)
+            _close_streams()
 
 
+def _default_limit() -> float:
+    return float(os.environ.get("PARLIB_NCCL_DEADLOCK_S", "") or DEADLOCK_AFTER_S)
+
+
+_deadlock_after = DEADLOCK_AFTER_S
 if _c10d is not None and os.environ.get("PARLIB_NCCL_RULES", "") not in ("", "0"):
     _install(True)  # for the whole process: as if inside an nccl_rules() never left
     _depth = 1
+    _deadlock_after = _default_limit()
 
 
-__all__ = ["agree", "all_gather", "bookkeeping", "exchange", "in_bookkeeping", "nccl_rules",
-           "nccl_rules_on", "quiet_renames", "rank_and_size", "reduce_scatter"]
+__all__ = ["DEADLOCK_AFTER_S", "agree", "all_gather", "bookkeeping", "exchange",
+           "in_bookkeeping", "nccl_rules", "nccl_rules_on", "quiet_renames",
+           "rank_and_size", "reduce_scatter"]

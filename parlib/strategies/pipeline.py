@@ -17,8 +17,9 @@ The neighbours are global ranks carried by the stage (``stage.prev_rank`` /
   uses it to record a timeline, count bytes and saved activations, and pad compute to an
   emulated cost); without one the step is plain torch.
 
-Messages follow NCCL's rules (:class:`_Mailbox` says how): an op's sends and the next op's
-receive go as one ``dist.batch_isend_irecv``, matched by order, never by tag. Every payload
+Messages follow NCCL's rules (:class:`_Mailbox` says how): each is one
+``dist.batch_isend_irecv``, matched by order, never by tag, and every rank posts them in
+one order the ranks share (the schedule's replay), which cannot deadlock. Every payload
 follows a small header (kind, microbatch, chunk): two neighbours whose schedules order the
 microbatches differently would otherwise train on a mix without a word; the header turns
 that into an error naming both.
@@ -37,7 +38,6 @@ The stages live in :mod:`parlib.strategies.pipeline_stages` (importable from her
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -45,9 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parlib import comm
 from parlib.comm import agree, rank_and_size
 from parlib.model import loss_fn
+from parlib.strategies.pipeline_mail import RECV, _Mailbox, message_plan
 from parlib.strategies.pipeline_stages import (
     ChunkedStage,
     Stage,
@@ -90,74 +90,6 @@ _KIND_CODE = {FORWARD: 0, BACKWARD: 1}  # header: which way the payload travels
 _WHAT = {FORWARD: "activation", BACKWARD: "gradient"}
 
 
-class _Mailbox:
-    """One rank's messages in :func:`run_schedule`, as NCCL takes them.
-
-    Each op's sends (a header, then its payload) and the next op's receive (the same two)
-    are posted together, one ``dist.batch_isend_irecv`` (:func:`parlib.comm.exchange`), and
-    match by order, never by tag. A receive is waited for when its op runs, the sends at
-    the end of the step. The next op's receive is posted ahead, before this op computes,
-    only when this op sends nothing; otherwise it joins this op's sends (NCCL runs a
-    rank's batches in order: a receive posted ahead would hold back a send its sender may
-    wait for, and GPipe with m = 1 would deadlock). One rank holding every chunk (p = 1)
-    sends to itself: a queue, in order.
-
-    Not covered by :func:`parlib.comm.nccl_rules`: NCCL gives a batch one work, so waiting
-    for a receive also waits for the sends beside it, and runs a rank's batches in order.
-    Where a send waits for its receiver (messages beyond NCCL's buffers) that ties the two
-    ranks closer than gloo does. Emulated on gloo (each batch waited for whole, in
-    order), GPipe, 1F1B and ZB-H1 on 2 and 4 ranks and the interleaved order on 4 ran;
-    the interleaved order on 2 ranks, whose two neighbours are one rank, deadlocked."""
-
-    def __init__(self, device: torch.device, shape: tuple[int, ...], alone: bool) -> None:
-        self.device, self.shape, self.alone = device, shape, alone
-        self.outbox: list[tuple[torch.Tensor, int]] = []  # sends not yet posted
-        self.batches: list[tuple[list[Any], list[torch.Tensor]]] = []  # send works, tensors
-        self.posted: dict[int, tuple[torch.Tensor, torch.Tensor, list[Any]]] = {}
-        self.to_self: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
-
-    def send(self, header: torch.Tensor, payload: torch.Tensor, dst: int) -> None:
-        """Queue a message for the next :meth:`post`."""
-        if self.alone:
-            self.to_self.append((header, payload.clone()))
-        else:
-            self.outbox += [(header, dst), (payload, dst)]
-
-    def post(self, index: int, src: int | None) -> None:
-        """Post the queued sends and, from ``src`` (None: no message), op ``index``'s
-        receive unless it is posted already, as one batch."""
-        recvs = []
-        if src is not None and not self.alone and index not in self.posted:
-            header = torch.empty(3, dtype=torch.int64, device=self.device)
-            recvs = [(header, src), (torch.empty(self.shape, device=self.device), src)]
-        if not (self.outbox or recvs):
-            return
-        works = comm.exchange(self.outbox, recvs)
-        # gloo: a work per message, the receives last; NCCL: one for the whole batch. Each
-        # is waited for once (gloo never returns from a second wait on a receive).
-        split = len(self.outbox) if len(works) == len(self.outbox) + len(recvs) else 0
-        sends, own = (works[:split], works[split:]) if recvs else (works, [])
-        self.batches.append((sends, [t for t, _ in self.outbox + recvs]))  # kept alive
-        if recvs:
-            self.posted[index] = (recvs[0][0], recvs[1][0], own)
-        self.outbox = []
-
-    def take(self, index: int, op: Op) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
-        """(header, payload, the works to wait for) of op ``index``'s message."""
-        if self.alone:
-            if not self.to_self:
-                raise RuntimeError(f"op {op!r} waits for a message this rank never sent "
-                                   f"itself (a deadlock: validate the schedule)")
-            return (*self.to_self.popleft(), [])
-        return self.posted.pop(index)
-
-    def finish(self) -> None:
-        """Wait for every send (each receive was waited for by its op)."""
-        for works, _ in self.batches:
-            for work in works:
-                work.wait()
-
-
 def _chunks_of(stage: Stage | ChunkedStage | Sequence[Stage]) -> list[Stage]:
     if isinstance(stage, Stage):
         return [stage]
@@ -182,9 +114,11 @@ def _pipeline_group(stage: Stage, p: int) -> Any:
     return group
 
 
-def _check_whole_schedule(chunks: list[Stage], ops: Sequence[Op], m: int) -> None:
+def _check_whole_schedule(chunks: list[Stage], ops: Sequence[Op],
+                          m: int) -> dict[int, list[Op]]:
     """Before any message: the pipeline's ranks agree on m and p, rank i holds stage i,
-    and their op lists together pass validate (a deadlock raises instead of hanging)."""
+    and their op lists together pass validate (a deadlock raises instead of hanging).
+    Returns every rank's op list (rank in the pipeline group -> ops)."""
     v = len(chunks)
     if chunks[0].p % v:
         raise ValueError(f"{v} chunks per rank but {chunks[0].p} virtual stages: build the "
@@ -210,6 +144,7 @@ def _check_whole_schedule(chunks: list[Stage], ops: Sequence[Op], m: int) -> Non
         raise ScheduleError(f"run_schedule: the ranks' op lists, checked together before "
                             f"any message, cannot run: {err}", problem=err.problem,
                             rank=err.rank, index=err.index, op=err.op) from None
+    return sched
 
 
 def run_schedule(
@@ -239,8 +174,8 @@ def run_schedule(
     """
     chunks = _chunks_of(stage)
     _check_ops(ops, m, len(chunks))
-    _check_whole_schedule(chunks, ops, m)
-    return _Step(chunks, ops, tokens, targets, m, hooks or PipelineHooks()).run()
+    sched = _check_whole_schedule(chunks, ops, m)
+    return _Step(chunks, ops, tokens, targets, m, hooks or PipelineHooks(), sched).run()
 
 
 def _check_ops(ops: Sequence[Op], m: int, v: int) -> None:
@@ -263,7 +198,8 @@ class _Step:
     the mailbox) and their messages."""
 
     def __init__(self, chunks: list[Stage], ops: Sequence[Op], tokens: torch.Tensor,
-                 targets: torch.Tensor, m: int, hooks: PipelineHooks) -> None:
+                 targets: torch.Tensor, m: int, hooks: PipelineHooks,
+                 sched: dict[int, list[Op]]) -> None:
         self.chunks, self.ops, self.m, self.hooks = chunks, ops, m, hooks
         self.device = next(chunks[0].parameters()).device
         self.xs, self.ys = microbatches(tokens, m), microbatches(targets, m)
@@ -275,15 +211,15 @@ class _Step:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.weight_work: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.loss_total = 0.0
-        self.mail = _Mailbox(self.device, shape, alone=self.p_ranks == 1)
+        plan = None if self.p_ranks == 1 else message_plan(
+            sched, self.p_ranks, len(chunks), chunks[0].rank % self.p_ranks,
+            lambda kind, index: (self.source if kind == RECV else self.target)(ops[index]))
+        self.mail = _Mailbox(self.device, shape, plan)
 
     def run(self) -> float | None:
         run_op = {FORWARD: self.forward, BACKWARD: self.backward, WEIGHT: self.weight}
-        self.post(0)
         for index, op in enumerate(self.ops):
-            if not self.sends(op):  # the next op's input travels while this op computes
-                self.post(index + 1)  # (NCCL would hold this op's sends behind it: with
-            run_op[op.kind](index, op, self.chunks[op.chunk])  # them, after it, if any)
+            run_op[op.kind](index, op, self.chunks[op.chunk])
         self.mail.finish()
         if self.outputs:
             raise RuntimeError(f"schedule ended with (microbatch, chunk) "
@@ -353,25 +289,25 @@ class _Step:
             return st.next_rank
         return None
 
-    def sends(self, op: Op) -> bool:
+    def target(self, op: Op) -> int | None:
+        """The rank op's result goes to (None: no message)."""
         st = self.chunks[op.chunk]
-        return op.kind == FORWARD and not st.is_last or op.kind == BACKWARD and not st.is_first
-
-    def post(self, index: int) -> None:
-        self.mail.post(index, self.source(self.ops[index]) if index < len(self.ops) else None)
+        if op.kind == FORWARD and not st.is_last:
+            return st.next_rank
+        if op.kind == BACKWARD and not st.is_first:
+            return st.prev_rank
+        return None
 
     def send(self, t: torch.Tensor, dst: int, op: Op, dst_chunk: int, index: int) -> None:
-        """Post op ``index``'s output with the next op's receive (see :class:`_Mailbox`)."""
+        """Post op ``index``'s output in the shared order (see :class:`_Mailbox`)."""
         t = t.detach().contiguous()
         header = torch.tensor([_KIND_CODE[op.kind], op.mb, dst_chunk], device=self.device)
         with self.hooks.message("send", dst, t, op.mb):
-            self.mail.send(header, t, dst)
-            self.post(index + 1)
+            self.mail.send(index, header, t, dst)
 
     def recv(self, index: int, op: Op, st: Stage) -> torch.Tensor:
         src = self.source(op)
         assert src is not None
-        self.post(index)  # posted already (ahead, or with the last op's sends): nothing to do
         header, buf, works = self.mail.take(index, op)
         with self.hooks.message("recv", src, buf, op.mb):
             for work in works:

@@ -181,10 +181,26 @@ def _check_rank(r: int, ops: list[Op], p: int, m: int, v: int, split: bool,
                                         problem="missing", rank=r, op=want)
 
 
-def _check_messages(sched: Mapping[int, Sequence[Op]], p: int, v: int) -> None:
+def message_order(sched: Mapping[int, Sequence[Op]], p: int,
+                  v: int = 1) -> list[tuple[int, int, int, int]]:
+    """Every message of a schedule :func:`validate` accepts, as (sender, the sender's op
+    index, receiver, the receiving op's index), in the order of one run of it (the
+    replay's, every rank as far as it can go, rank by rank). Each rank that posts its
+    messages in this order, one at a time, cannot deadlock under NCCL's rules (a send
+    waits for its receiver; a rank's messages run one after another): the first
+    unfinished message comes first on both of its ranks, and its sender has every input
+    it needs from earlier messages."""
+    order: list[tuple[int, int, int, int]] = []
+    _check_messages(sched, p, v, order)
+    return order
+
+
+def _check_messages(sched: Mapping[int, Sequence[Op]], p: int, v: int,
+                    order: list[tuple[int, int, int, int]] | None = None) -> None:
     """Replay the runner's messages: FIFO queues per (sender, receiver), sends never
     block, receives block. Raises on a message that does not match the receiving op (the
-    runner's header check would stop there) or when every unfinished rank waits."""
+    runner's header check would stop there) or when every unfinished rank waits. Each
+    message sent is appended to ``order`` (see :func:`message_order`)."""
     ops = {r: list(sched[r]) for r in range(p)}
     index = {r: {op: i for i, op in enumerate(ops[r])} for r in range(p)}
     queues: dict[tuple[int, int], deque[tuple[Op, int, int]]] = {}  # (src, dst) -> msgs
@@ -214,8 +230,10 @@ def _check_messages(sched: Mapping[int, Sequence[Op]], p: int, v: int) -> None:
                 dst = target_of(op, r, p, v)
                 if dst is not None:
                     # the receiver's op that consumes it: same kind, microbatch, its chunk
-                    queues.setdefault((r, dst[0]), deque()).append(
-                        (Op(op.kind, op.mb, dst[1]), r, pc[r]))
+                    want = Op(op.kind, op.mb, dst[1])
+                    queues.setdefault((r, dst[0]), deque()).append((want, r, pc[r]))
+                    if order is not None:
+                        order.append((r, pc[r], dst[0], index[dst[0]].get(want, -1)))
                 pc[r] += 1
                 progress = True
     stuck = [r for r in range(p) if pc[r] < len(ops[r])]
@@ -250,4 +268,5 @@ def _check_messages(sched: Mapping[int, Sequence[Op]], p: int, v: int) -> None:
                         problem="deadlock", rank=first, index=pc[first], op=ops[first][pc[first]])
 
 
-__all__ = ["PROBLEMS", "ScheduleError", "messages", "peer_of", "target_of", "validate"]
+__all__ = ["PROBLEMS", "ScheduleError", "message_order", "messages", "peer_of", "target_of",
+           "validate"]
