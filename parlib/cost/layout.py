@@ -144,9 +144,11 @@ class Layout(Mapping[str, int]):
         shared = math.prod(self[a] for a in borrows)
         if shared % ep:
             symbols = " x ".join(axis(a).symbol for a in borrows)
+            fits = [k for k in range(1, shared + 1) if shared % k == 0]
             raise ValueError(f"ep = {ep} does not divide {symbols} = {shared}: expert-"
                              f"parallel groups borrow the {' and '.join(borrows)} ranks (ep "
-                             f"does not add devices)")
+                             f"does not add devices); pick ep from {fits}, or give "
+                             f"{' x '.join(borrows)} more ranks")
         object.__setattr__(self, "_ep", ep)
         object.__setattr__(self, "_ep_borrows", borrows)
 
