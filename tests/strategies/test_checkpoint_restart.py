@@ -125,3 +125,10 @@ def test_the_same_function_runs_from_a_notebook_and_a_second_launch_resumes(tmp_
     assert again == [{"started_at": 8, "ended_at": 8}] * 2
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == \
         [f"step-0000000{k}" for k in (2, 4, 6, 8)]
+
+
+@pytest.mark.parametrize("steps, save_every", [(8, 0), (-1, 2)])
+def test_bad_step_counts_are_refused_before_any_rank_starts(steps, save_every, tmp_path):
+    with pytest.raises(ValueError, match=f"steps={steps}, save_every={save_every}: train 0 "
+                                         "or more steps and save every 1 or more"):
+        long_run.train(str(tmp_path), str(steps), str(save_every))
