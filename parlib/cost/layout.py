@@ -43,6 +43,10 @@ Why this order:
   its gradient syncs    d x c / e ranks (same tp index)  d x c x t / e ranks
   ====================  ===============================  ================================
 
+  In the first placement :func:`~parlib.cost.estimate` splits an expert over tp, as
+  torchtitan's etp = tp does; the course's own run (``strategies.combined.build_nd``) keeps
+  it whole on every tp rank, and :func:`~parlib.cost.mesh_sent_bytes_per_step` counts that.
+
   torchtitan also asks e to be a multiple of c (dp x cp) or of c x t (dp x cp x tp), so
   that a group holds whole context-(and tensor-)parallel blocks; parlib takes any e that
   divides the borrowed ranks, in groups of e consecutive indices of that block.
