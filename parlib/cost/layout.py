@@ -143,7 +143,8 @@ class Layout(Mapping[str, int]):
         if borrows not in EP_PLACEMENTS:
             raise ValueError(f"ep_borrows={ep_borrows!r}: expert parallelism borrows "
                              f"{EP_OVER_DP_CP} (parlib's default) or {EP_OVER_TP} "
-                             f"(torchtitan's default)")
+                             f"(torchtitan's default): pass one of them "
+                             f"(parlib.cost.layout.EP_OVER_DP_CP or EP_OVER_TP)")
         ep = _size("ep", sizes.get("ep", 1))
         shared = math.prod(self[a] for a in borrows)
         if shared % ep:
