@@ -284,6 +284,10 @@ def loss_share(logits: torch.Tensor, targets: torch.Tensor,
     microbatch, every rank). The shares add up to :func:`loss_fn` of the whole batch and
     their gradients to its gradient, however the batch is split and padded; averaging
     each piece's mean instead weighs a token of a short piece more."""
+    if isinstance(batch_tokens, (int, float)) and not batch_tokens >= 1:
+        raise ValueError(f"loss_share: batch_tokens={batch_tokens!r}, but it counts the real "
+                         f"targets of the whole batch (every microbatch, every rank), so it "
+                         f"is at least 1: pass global_token_count(targets, group=group)")
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                             ignore_index=IGNORE_INDEX, reduction="sum")
     return total / batch_tokens

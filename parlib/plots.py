@@ -523,7 +523,7 @@ def draw_axis_rows(spans: Iterable[Span], ax: Any = None, *, title: str | None =
     labels = []
     for row in rows:
         calls = sum(row_of(x) == row for x in spans)
-        what = "messages" if row == "pp" else "calls"
+        what = ("message" if row == "pp" else "call") + ("s" if calls != 1 else "")
         extra = (f", {fmt_bytes(bytes_by_axis[row])}"
                  if bytes_by_axis and row in bytes_by_axis else "")
         labels.append(row if row == "compute" else f"{row} ({calls} {what}{extra})")

@@ -110,8 +110,8 @@ def test_axis_rows_put_each_axis_traffic_on_its_own_row():
                         bytes_by_axis={"cp": 2048})
     labels = [t.get_text() for t in ax.get_yticklabels()]
     # top first: compute, then tp, cp, ep, dp, pp (the pipeline's send)
-    assert labels[::-1] == ["compute", "tp (1 calls)", "cp (2 calls, 2.00 KiB)",
-                            "ep (1 calls)", "dp (1 calls)", "pp (1 messages)"]
+    assert labels[::-1] == ["compute", "tp (1 call)", "cp (2 calls, 2.00 KiB)",
+                            "ep (1 call)", "dp (1 call)", "pp (1 message)"]
     rows = {}  # y of each drawn box's centre -> its left edges
     for c in ax.collections:
         for path in c.get_paths():

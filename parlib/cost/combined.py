@@ -47,6 +47,11 @@ def mesh_sent_bytes_per_step(layout: Layout, *, b: int, s: int, h: int, m: int, 
     of experts routing each token to ``top_k``. The loss is float32 whatever
     ``dtype_bytes``."""
     t, c, d, e, p = layout.tp, layout.cp, layout.dp, layout.ep, layout.pp
+    if e > 1 and (e not in (c, d * c) or (t > 1 and "tp" in layout.ep_borrows)):
+        raise ValueError(f"{layout!r}: these formulas price ep over the cp ranks (e = c = {c})"
+                         f" or over all dp x cp ranks (e = {d * c}), each MoE whole on every "
+                         f"tp rank, as build_nd runs it: pick one of those e and leave "
+                         f"ep_borrows at its default")
     last = stage == p - 1
     loss = LOSS_BYTES if last else 0
     s_local = s // c

@@ -393,15 +393,18 @@ def check_hsdp(layout: Layout, zero: int, shard_group: int) -> None:
     cannot run on ``layout``."""
     copies = layout.dp * layout.cp
     if isinstance(shard_group, bool) or not isinstance(shard_group, int) or shard_group < 1:
-        raise ValueError(f"shard_group must be a whole number >= 1, got {shard_group!r}")
+        raise ValueError(f"shard_group must be a whole number >= 1 (the ranks of one shard "
+                         f"group, e.g. the GPUs of a node), got {shard_group!r}")
     if zero != 3:
         raise ValueError(f"shard_group={shard_group} is HSDP, ZeRO-3 inside each shard group: "
                          f"pass zero=3 (got zero={zero})")
     if layout.ep > 1:
-        raise ValueError("shard_group: HSDP is modelled for dense models (ep = 1) only")
+        raise ValueError(f"shard_group={shard_group}: HSDP is modelled for dense models "
+                         f"only; drop shard_group, or use ep = 1 (got ep = {layout.ep})")
     if copies % shard_group:
+        fits = [g for g in range(1, copies + 1) if copies % g == 0]
         raise ValueError(f"shard_group={shard_group} does not divide the d x c = {copies} "
-                         f"data-parallel ranks it groups")
+                         f"data-parallel ranks it groups: pick one of {fits}")
 
 
 def check_inputs(model: Model, hardware: Hardware) -> None:

@@ -43,6 +43,10 @@ Why this order:
   its gradient syncs    d x c / e ranks (same tp index)  d x c x t / e ranks
   ====================  ===============================  ================================
 
+  In the first placement :func:`~parlib.cost.estimate` splits an expert over tp, as
+  torchtitan's etp = tp does; the course's own run (``strategies.combined.build_nd``) keeps
+  it whole on every tp rank, and :func:`~parlib.cost.mesh_sent_bytes_per_step` counts that.
+
   torchtitan also asks e to be a multiple of c (dp x cp) or of c x t (dp x cp x tp), so
   that a group holds whole context-(and tensor-)parallel blocks; parlib takes any e that
   divides the borrowed ranks, in groups of e consecutive indices of that block.
@@ -139,14 +143,17 @@ class Layout(Mapping[str, int]):
         if borrows not in EP_PLACEMENTS:
             raise ValueError(f"ep_borrows={ep_borrows!r}: expert parallelism borrows "
                              f"{EP_OVER_DP_CP} (parlib's default) or {EP_OVER_TP} "
-                             f"(torchtitan's default)")
+                             f"(torchtitan's default): pass one of them "
+                             f"(parlib.cost.layout.EP_OVER_DP_CP or EP_OVER_TP)")
         ep = _size("ep", sizes.get("ep", 1))
         shared = math.prod(self[a] for a in borrows)
         if shared % ep:
             symbols = " x ".join(axis(a).symbol for a in borrows)
+            fits = [k for k in range(1, shared + 1) if shared % k == 0]
             raise ValueError(f"ep = {ep} does not divide {symbols} = {shared}: expert-"
                              f"parallel groups borrow the {' and '.join(borrows)} ranks (ep "
-                             f"does not add devices)")
+                             f"does not add devices); pick ep from {fits}, or give "
+                             f"{' x '.join(borrows)} more ranks")
         object.__setattr__(self, "_ep", ep)
         object.__setattr__(self, "_ep_borrows", borrows)
 

@@ -68,6 +68,9 @@ def train(folder: str, steps: int | str = 8, save_every: int | str = 2) -> dict[
     and after the last; start from the newest complete checkpoint in ``folder``, if any.
     Returns the step it started from and the step it ended at."""
     steps, save_every = int(steps), int(save_every)  # torchrun passes strings
+    if steps < 0 or save_every < 1:
+        raise ValueError(f"long_run.train: steps={steps}, save_every={save_every}: train "
+                         f"0 or more steps and save every 1 or more (e.g. ckpts 8 2)")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model, optimizer = build()
     start, newest = 0, latest_checkpoint(folder)

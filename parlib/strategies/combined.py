@@ -74,10 +74,18 @@ class TensorContextAttention(ContextParallelAttention):
 
 def _check_mesh(mesh: Mesh, cfg: ModelConfig, sequence_layout: str) -> None:
     if cfg.n_layers % mesh.pp:
-        raise ValueError(f"pp={mesh.pp} does not divide the model's {cfg.n_layers} layers")
+        fits = [p for p in range(1, cfg.n_layers + 1) if cfg.n_layers % p == 0]
+        raise ValueError(f"pp={mesh.pp} does not divide the model's {cfg.n_layers} layers: "
+                         f"pick pp from {fits} (equal stages)")
     if mesh.ep > 1 and not cfg.n_experts:
         raise ValueError(f"ep={mesh.ep} splits experts, but the model is dense: build it "
                          f"with ModelConfig(n_experts=E, ...)")
+    layout = getattr(mesh, "layout", mesh)  # a Mesh, or a bare Layout in the tests
+    if mesh.ep > 1 and mesh.tp > 1 and "tp" in layout.ep_borrows:
+        raise ValueError(f"{layout!r}: build_nd runs each MoE layer whole on every tp rank, "
+                         f"on the same tokens, so ep cannot borrow the tp ranks (they would "
+                         f"send their experts the same tokens twice); leave ep_borrows at "
+                         f"its default, ep over dp x cp")
     if mesh.ep > 1 and mesh.ep not in (mesh.cp, mesh.dp * mesh.cp):
         raise ValueError(f"ep={mesh.ep}: build_nd places ep over the cp ranks (ep = cp = "
                          f"{mesh.cp}) or over all dp x cp ranks (ep = {mesh.dp * mesh.cp}), "

@@ -124,7 +124,9 @@ def broadcast_over_mesh(tensors: Iterable[torch.Tensor], src: int, group: Any,
     tensors = list(tensors)
     holder = next((j for j, row in enumerate(rows) if src in row), None)
     if holder is None:
-        raise ValueError(f"FSDP: broadcast_from={src} is in none of the shard groups {rows}")
+        raise ValueError(f"FSDP: broadcast_from={src} is in none of the shard groups {rows}: "
+                         f"pass a global rank of the grid, whose weights every rank starts "
+                         f"from")
     broadcast_tensors(tensors, _ranks(replicate_group)[holder], replicate_group)
     broadcast_tensors(tensors, _ranks(group)[rows[holder].index(src)], group)
 

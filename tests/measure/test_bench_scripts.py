@@ -1,5 +1,5 @@
 """bench/gpu.py runs as a dry run on the CPU, and lists a rank function that fails; bench/cost.py's
-defaults are the experiment's own constants."""
+defaults are the experiment's own constants; bench/combined.py's example runs as written."""
 
 from __future__ import annotations
 
@@ -71,3 +71,16 @@ def test_cost_script_defaults_are_the_experiments_constants():
     assert ap_defaults["flops_per_byte"] == L.SLOW_LINK_FLOPS_PER_BYTE
     assert set(ap_defaults["sections"]) == {"plan", "published", "foundry", "ranking", "layouts"}
     assert ap_defaults["link"] == "paced"
+
+
+def test_combined_scripts_second_example_runs_as_written(capsys):
+    """bench/combined.py's docstring: ``python bench/combined.py --layouts 4d --steps 3
+    --schedule gpipe``, as written (8 ranks: the 4-axis run, checked against one device)."""
+    combined = _load("combined")
+    line = next(x for x in combined.__doc__.splitlines() if "--layouts" in x)
+    words = line.split()
+    assert words[:2] == ["python", "bench/combined.py"], line
+    combined.main(words[2:])
+    out = capsys.readouterr().out
+    assert "4d: t=2 x c=2 x p=2 e=2 on 8 ranks, gpipe" in out, out
+    assert "every rank exact" in out and out.rstrip().endswith("measured / predicted: 1.00")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,23 @@ def torchrun(target: str, *args: object, max_restarts: int = 0) -> subprocess.Co
                           cwd=ROOT)
 
 
+def documented_command(folder: Path) -> list[str]:
+    """The torchrun line of long_run's docstring, as written, with ``torchrun`` spelled
+    ``python -m torch.distributed.run``, its ``ckpts`` in ``folder`` and gloo (here no rank
+    has a GPU of its own)."""
+    line = re.search(r"^\s+(torchrun .*?)\n\n", long_run.__doc__, re.S | re.M).group(1)
+    words = shlex.split(line.replace("\\\n", " "))
+    assert words[0] == "torchrun" and words.count("ckpts") == 1, words
+    return [sys.executable, "-m", "torch.distributed.run", *words[1:], "--backend", "gloo"]
+
+
+def run_as_documented(folder: Path) -> subprocess.CompletedProcess:
+    command = [str(folder) if w == "ckpts" else w for w in documented_command(folder)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=ROOT)
+
+
 def returned(stdout: str) -> dict[int, dict]:
     """What each rank's function returned, as parlib.run printed it (the two ranks share
     one pipe: a line may end where the other rank's begins)."""
@@ -58,8 +76,7 @@ def runs(tmp_path_factory) -> dict:
     return {"tmp": tmp, "failing": failing, "steady": steady,
             "failed": torchrun("tests.helpers.long_run_faults:train_dying_once", failing,
                                STEPS, SAVE_EVERY, DYING_RANK, DIES_AT, max_restarts=1),
-            "never_failed": torchrun("parlib.examples.long_run:train", steady, STEPS,
-                                     SAVE_EVERY)}
+            "never_failed": run_as_documented(steady)}
 
 
 def test_a_dead_rank_is_restarted_once_and_the_job_succeeds(runs):
@@ -82,6 +99,10 @@ def test_the_restart_resumes_from_the_last_checkpoint_losing_only_the_steps_sinc
 
 
 def test_the_restarted_run_ends_bit_exactly_where_the_run_that_never_failed_ends(runs):
+    """The run that never failed is the docstring's command, as written: it saves every
+    2 steps where the failing run saved every 3, and ends on the same bits all the same."""
+    words = documented_command(runs["steady"])
+    assert words[words.index("ckpts") + 1] == str(STEPS)
     steady = runs["never_failed"]
     assert steady.returncode == 0, steady.stderr[-3000:]
     assert returned(steady.stdout) == {r: {"started_at": 0, "ended_at": STEPS}
@@ -104,3 +125,10 @@ def test_the_same_function_runs_from_a_notebook_and_a_second_launch_resumes(tmp_
     assert again == [{"started_at": 8, "ended_at": 8}] * 2
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == \
         [f"step-0000000{k}" for k in (2, 4, 6, 8)]
+
+
+@pytest.mark.parametrize("steps, save_every", [(8, 0), (-1, 2)])
+def test_bad_step_counts_are_refused_before_any_rank_starts(steps, save_every, tmp_path):
+    with pytest.raises(ValueError, match=f"steps={steps}, save_every={save_every}: train 0 "
+                                         "or more steps and save every 1 or more"):
+        long_run.train(str(tmp_path), str(steps), str(save_every))

@@ -9,7 +9,8 @@ import pytest
 
 import parlib
 from parlib import verify
-from parlib.cost import Layout
+from parlib.cost import Layout, mesh_sent_bytes_per_step
+from parlib.cost.layout import EP_OVER_TP
 from parlib.experiments import combined as C
 from parlib.model import ModelConfig
 
@@ -135,6 +136,20 @@ def test_bad_input_gets_a_clear_error():
         S._check_mesh(Layout(dp=4, cp=2, ep=4), MOE, "zigzag")
     with pytest.raises(ValueError, match="the model is dense"):
         S._check_mesh(Layout(cp=2, ep=2), CFG, "zigzag")
+    # torchtitan's placement puts a tp pair in one ep group: the same tokens sent twice
+    with pytest.raises(ValueError, match="ep cannot borrow the tp ranks"):
+        S._check_mesh(Layout(cp=2, tp=2, ep=2, ep_borrows=EP_OVER_TP), MOE, "zigzag")
+    S._check_mesh(Layout(cp=2, tp=1, ep=2, ep_borrows=EP_OVER_TP), MOE, "zigzag")  # t = 1
+    # the bytes' formulas assume the same placements
+    bytes_of = dict(b=1, s=16, h=32, m=2, layers=1, stage=0, shared_param_bytes=4.0,
+                    n_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="pick one of those e"):
+        mesh_sent_bytes_per_step(Layout(dp=4, cp=2, ep=4), **bytes_of)
+    with pytest.raises(ValueError, match="leave ep_borrows at its default"):
+        mesh_sent_bytes_per_step(Layout(cp=2, tp=2, ep=2, ep_borrows=EP_OVER_TP), **bytes_of)
+    assert mesh_sent_bytes_per_step(Layout(cp=2, tp=2, ep=2), **bytes_of)["ep"] > 0
+    with pytest.raises(ValueError, match=r"pp=3 does not divide .* pick pp from \[1, 2\]"):
+        S._check_mesh(Layout(pp=3), MOE, "zigzag")
     with pytest.raises(ValueError, match="does not split into 8 equal chunks"):
         S._check_mesh(Layout(cp=4, ep=4), dataclasses.replace(MOE, seq_len=12), "zigzag")
     with pytest.raises(ValueError, match="one chunk per rank"):

@@ -91,6 +91,10 @@ def _refusals() -> dict:
     out = {"same group": _refusal(lambda: FSDP(model, group=mine, replicate_group=mine)),
            "not a grid": _refusal(lambda: FSDP(model, group=mine,
                                                replicate_group=crossed[rank in (1, 2)]))}
+    columns = [dist.new_group(c) for c in ([0, 2], [1, 3])]
+    out["off the grid"] = _refusal(lambda: FSDP(model, group=mine,
+                                                replicate_group=columns[rank % 2],
+                                                broadcast_from=WORLD))
     if rank % 2:  # only the ranks outside the group try: the others would wait for them
         out["outside"] = _refusal(lambda: FSDP(model, group=mine, replicate_group=only_even))
     return out
@@ -157,6 +161,8 @@ def test_groups_that_are_not_a_grid_or_leave_a_rank_out_are_refused(results):
         got = res["refusals"]
         assert got["same group"].startswith("ValueError") and "share ranks" in got["same group"]
         assert "position in the shard group differs" in got["not a grid"], got["not a grid"]
+        assert f"broadcast_from={WORLD} is in none of the shard groups [[0, 1], [2, 3]]: " \
+               "pass a global rank of the grid" in got["off the grid"], got["off the grid"]
         if rank % 2:
             want = f"FSDP (replicate_group=): global rank {rank} is not a member of the group"
             assert want in got["outside"], got["outside"]

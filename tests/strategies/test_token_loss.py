@@ -17,7 +17,14 @@ import torch.nn.functional as F
 
 import parlib
 from parlib import verify
-from parlib.model import ModelConfig, build_model, make_batch, make_optimizer, train_step
+from parlib.model import (
+    ModelConfig,
+    build_model,
+    loss_share,
+    make_batch,
+    make_optimizer,
+    train_step,
+)
 from parlib.strategies.data import allreduce_gradients, shard_rows
 from parlib.strategies.token_loss import (
     IGNORE_INDEX,
@@ -120,6 +127,9 @@ def test_bad_counts_are_refused():
         global_token_loss(logits, torch.zeros(2, dtype=torch.long), 2, averaged_over=0)
     with pytest.raises(ValueError, match="no microbatch"):
         global_token_count([])
+    # the course's loss_share: a count of 0 would give nan (0 / 0), not an error
+    with pytest.raises(ValueError, match="batch_tokens=0.*pass global_token_count"):
+        loss_share(logits, targets, 0)
 
 
 TINY = ModelConfig(vocab_size=32, seq_len=6, d_model=16, n_heads=2, n_layers=1)

@@ -70,15 +70,17 @@ _EP_PROMPT = """
     expert-parallel group? Give a tuple of four ranks, lowest first.
 """
 
-register(WholeNumbers(
-    "07.ep_group_dp_cp",
-    ep_group_problems(EP_OVER_DP_CP),
-    names=_NAMES,
-    example=(0, 1, 2, 3),
-    minimum=0,
-    too_small="ranks are 0 or more",
-    prompt=_EP_PROMPT.format(over="the data- and context-parallel ranks (ep over dp x cp, "
-                                  "parlib's default)"),
+
+def _register_ep_group(qid: str, borrows: tuple[str, ...], over: str, working: str) -> None:
+    """One of the two ep-group questions: the same rank and layout, ep borrowing ``borrows``."""
+    register(WholeNumbers(qid, ep_group_problems(borrows), names=_NAMES, example=(0, 1, 2, 3),
+                          minimum=0, too_small="ranks are 0 or more",
+                          prompt=_EP_PROMPT.format(over=over), working=working))
+
+
+_register_ep_group(
+    "07.ep_group_dp_cp", EP_OVER_DP_CP,
+    over="the data- and context-parallel ranks (ep over dp x cp, parlib's default)",
     working=f"""
         Rank 21 = ((pp x 4 + dp) x 2 + cp) x 2 + tp: tp = 1, cp = 0, dp = 1, pp = 1. Its
         index in the dp x cp block is dp x 2 + cp = 2, so its group is indices 0..3 (e = 4
@@ -87,17 +89,12 @@ register(WholeNumbers(
         e x t = 8 ranks: inside one 8-GPU node, but once e x t is more than a node it
         crosses nodes.
     """,
-))
+)
 
-register(WholeNumbers(
-    "07.ep_group_dp_cp_tp",
-    ep_group_problems(EP_OVER_TP),
-    names=_NAMES,
-    example=(0, 1, 2, 3),
-    minimum=0,
-    too_small="ranks are 0 or more",
-    prompt=_EP_PROMPT.format(over="the data-, context- and tensor-parallel ranks (ep over "
-                                  "dp x cp x tp, torchtitan's default)"),
+_register_ep_group(
+    "07.ep_group_dp_cp_tp", EP_OVER_TP,
+    over="the data-, context- and tensor-parallel ranks (ep over dp x cp x tp, torchtitan's "
+         "default)",
     working=f"""
         Borrowing tp too, the block is dp x cp x tp = 16 consecutive ranks of a stage (16 to
         31 on stage 1), and rank 21 is index 5 in it; its group is indices 4..7, ranks
@@ -106,7 +103,7 @@ register(WholeNumbers(
         the tp ranks must hold different tokens (sequence parallelism), and an expert's
         gradient syncs over d x c x t / e = 4 ranks instead of d x c / e = 2.
     """,
-))
+)
 
 # ---- 07.cp_bytes_4d: the context-parallel axis's bytes per step in a 4-D run
 
