@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from parlib.comm import agree, rank_and_size
-from parlib.model import loss_fn
+from parlib.model import IGNORE_INDEX, loss_share
 from parlib.strategies.pipeline_mail import RECV, _Mailbox, message_plan
 from parlib.strategies.pipeline_stages import (
     ChunkedStage,
@@ -162,8 +162,10 @@ def run_schedule(
     ``ops`` use v > 1 chunks (op.chunk picks the chunk). ``ops`` with WEIGHT ops split each
     backward into B (the input's gradient, sent at once) and W (the weights' gradients).
     ``tokens`` / ``targets`` are the full batch (every rank may pass them; only the first
-    stage reads tokens and only the last reads targets). Each microbatch's loss is divided
-    by m, so the accumulated gradients equal the full-batch gradients. Gradients are
+    stage reads tokens and only the last reads targets). Each microbatch's loss is its
+    share of the batch's (:func:`parlib.model.loss_share`: its tokens' summed loss over the
+    batch's real tokens, targets of ``IGNORE_INDEX`` counting for nothing), so the
+    accumulated gradients equal the full-batch gradients whatever m and the padding. Gradients are
     accumulated into ``.grad`` (zero them before the step). Returns the full-batch loss on
     the rank holding the last stage, None elsewhere. Raises ``RuntimeError`` when a
     neighbour sends another microbatch than the one this rank's next op expects. Before
@@ -203,6 +205,7 @@ class _Step:
         self.chunks, self.ops, self.m, self.hooks = chunks, ops, m, hooks
         self.device = next(chunks[0].parameters()).device
         self.xs, self.ys = microbatches(tokens, m), microbatches(targets, m)
+        self.batch_tokens = int((targets != IGNORE_INDEX).sum())  # the loss's divisor
         shape = chunks[0].activation_shape(self.xs[0].shape[0])  # (b/m, s, h)
         # virtual stage s = c*p + r: a neighbour's chunk is (s +- 1) // p
         self.p_ranks = chunks[0].p // len(chunks)
@@ -237,7 +240,7 @@ class _Step:
         with self.hooks.compute_op(op, self.xs[i].shape[0]):
             y = st(x)  # (b/m, s, h), logits (b/m, s, V) on the last stage
             if st.is_last:
-                y = loss_fn(y, self.ys[i].to(self.device)) / self.m
+                y = loss_share(y, self.ys[i].to(self.device), self.batch_tokens)
         self.inputs[key], self.outputs[key] = x, y
         if st.is_last:
             self.loss_total += y.item()

@@ -11,7 +11,7 @@ from parlib.experiments import pipeline as runs
 from parlib.measure import SavedActivations
 from parlib.measure.emulation import StageCost
 from parlib.measure.timeline import align, makespan
-from parlib.model import ModelConfig, build_model, make_batch
+from parlib.model import IGNORE_INDEX, ModelConfig, build_model, loss_fn, make_batch
 from parlib.strategies import pipeline
 from parlib.strategies import schedules as S
 from parlib.strategies.schedule_check import ScheduleError
@@ -286,3 +286,56 @@ def test_emulated_split_and_chunk_costs():
         with hooks.compute_op(Op(kind, 0, 1), 1):
             pass
         assert seconds <= time.perf_counter() - t0 < seconds + 0.05, kind
+
+
+def _padded_batch(batch_size=8):
+    """A batch whose rows have different numbers of real targets (the rest IGNORE_INDEX),
+    so that microbatches of it hold different token counts."""
+    tokens, targets = make_batch(batch_size, CFG, 0, 0)
+    targets = targets.clone()
+    for row in range(batch_size):
+        targets[row, CFG.seq_len - 2 * row:] = IGNORE_INDEX  # row r loses its last 2r
+    return tokens, targets
+
+
+def _one_device_padded(batch_size=8):
+    model = build_model(CFG, 0)
+    tokens, targets = _padded_batch(batch_size)
+    loss = loss_fn(model(tokens), targets)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _rank_padded_step(schedule_name, m):
+    import torch.distributed as dist
+    rank, p = dist.get_rank(), dist.get_world_size()
+    stage = pipeline.build_stage(CFG, 0, rank, p, torch.device("cpu"))
+    sched = {"gpipe": S.gpipe, "1f1b": S.one_f_one_b}[schedule_name](p, m, rank)
+    tokens, targets = _padded_batch()
+    loss = pipeline.run_schedule(stage, sched, tokens, targets, m)
+    return {"loss": loss, "grads": stage.grads()}
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_one_rank_with_padding_equals_one_device_whatever_m(m):
+    """Each microbatch's loss is its share of the batch's real tokens: with rows padded
+    unevenly, the mean of per-microbatch means (the old loss / m) would weigh a token of a
+    short microbatch more, and the gradients would change with m."""
+    stage = pipeline.Stage(build_model(CFG, 0), 0, 1)
+    tokens, targets = _padded_batch()
+    loss = pipeline.run_schedule(stage, S.gpipe(1, m, 0), tokens, targets, m)
+    ref_loss, ref_grads = _one_device_padded()
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    same = verify.compare(stage.grads(), ref_grads)
+    assert same, same
+
+
+@pytest.mark.parametrize("name,m", [("gpipe", 4), ("1f1b", 2)])
+def test_two_stages_with_padding_equal_one_device(name, m):
+    res = parlib.launch(_rank_padded_step, name, m, world_size=2, timeout=60)
+    ref_loss, ref_grads = _one_device_padded()
+    assert res[-1]["loss"] == pytest.approx(ref_loss, rel=1e-5)
+    got = {k: v for r in res for k, v in r["grads"].items()}
+    assert sorted(got) == sorted(ref_grads)
+    same = verify.compare(got, ref_grads)
+    assert same, same
