@@ -217,8 +217,11 @@ def test_token_loss_accepts_the_worked_answer():
 
 @pytest.mark.parametrize("mutant", list(TOKEN_MUTANTS))
 def test_token_loss_rejects_mutant(mutant):
-    src, hint, diagnosis = TOKEN_MUTANTS[mutant]
-    r = _grade("09.global_token_loss", src, "token_loss")
+    _assert_rejected("09.global_token_loss", "token_loss", *TOKEN_MUTANTS[mutant])
+
+
+def _assert_rejected(question, function, src, hint, diagnosis):
+    r = _grade(question, src, function)
     assert r.status == "failed" and hint in r.message, r.message
     assert r.diagnosis == diagnosis, (r.diagnosis, r.message)
 
@@ -282,10 +285,7 @@ def test_zero1_checkpoint_accepts_the_worked_answer():
 
 @pytest.mark.parametrize("mutant", list(ZERO1_MUTANTS))
 def test_zero1_checkpoint_rejects_mutant(mutant):
-    src, hint, diagnosis = ZERO1_MUTANTS[mutant]
-    r = _grade("09.zero1_checkpoint", src, "zero1_state")
-    assert r.status == "failed" and hint in r.message, r.message
-    assert r.diagnosis == diagnosis, (r.diagnosis, r.message)
+    _assert_rejected("09.zero1_checkpoint", "zero1_state", *ZERO1_MUTANTS[mutant])
 
 
 def test_zero1_checkpoint_names_the_one_rank_whose_moments_were_not_loaded():
