@@ -3,10 +3,12 @@ traceback mapped back to the learner's cells."""
 
 from __future__ import annotations
 
+import importlib
 import io
 import linecache
 import os
 import re
+import sys
 import traceback
 import types
 from collections import ChainMap
@@ -143,6 +145,15 @@ def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
 class _Pickler(cloudpickle.Pickler):
     dispatch_table = ChainMap({types.CodeType: _code_reduce_keeping_filename},
                               cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj: Any) -> Any:
+        # A function that names `dist` and reads `.config` makes cloudpickle ship the
+        # imported submodule torch.distributed.config, an instance of a subclass of
+        # ModuleType that pickle cannot copy: every rank imports such a module by name.
+        if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                and sys.modules.get(obj.__name__) is obj):
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
 
 
 def dumps_for_ranks(obj: Any) -> bytes:

@@ -338,3 +338,19 @@ def test_torchrun_runs_the_same_function():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'sum': 3.0" in out.stdout and "'rank': 1" in out.stdout
+
+
+def test_a_cell_function_that_names_dist_and_reads_a_config_attribute_launches():
+    """A notebook cell's function is shipped by value; naming ``dist`` and reading any
+    ``.config`` made cloudpickle ship the submodule torch.distributed.config, which pickle
+    cannot copy ("cannot pickle 'ConfigModuleInstance'")."""
+    cell = {"__name__": "__a_notebook_cell__"}  # not importable: pickled by value
+    exec(textwrap.dedent("""
+        import torch.distributed as dist
+        from types import SimpleNamespace
+
+        def rank_fn():
+            model = SimpleNamespace(config=SimpleNamespace(width=3))
+            return dist.get_rank() * model.config.width
+    """), cell)
+    assert parlib.launch(cell["rank_fn"], world_size=2, timeout=60) == [0, 3]
