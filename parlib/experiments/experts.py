@@ -168,6 +168,17 @@ def emulated_step(cfg: ModelConfig, tokens: int = 64, skew: float = 0.0,
     return {"rows": float(arrived.shape[0]), "busy": busy, "total": total}
 
 
+def _expert_groups(ep: int) -> tuple[Any, Any]:
+    """(ep group, experts' replica group) of this rank, ep groups of consecutive ranks. At
+    ep = 1 (one rank, or experts not split) each rank is its own ep group and every rank
+    replicates every expert: a Mesh has no ep groups then."""
+    if ep > 1:
+        mesh = Mesh(dp=dist.get_world_size(), ep=ep)
+        return mesh.group("ep"), mesh.expert_replica_group()
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]  # collective
+    return alone[dist.get_rank()], dist.group.WORLD
+
+
 def train_expert_parallel(cfg: ModelConfig, ep: int, *, steps: int = 3, batch: int = 8,
                           lr: float = 0.1, seed: int = 0) -> dict[str, Any]:
     """The tiny MoE model trained on every rank of the world: experts split over groups of
@@ -176,8 +187,7 @@ def train_expert_parallel(cfg: ModelConfig, ep: int, *, steps: int = 3, batch: i
     step's ``"grads"`` and the final ``"params"`` this rank holds, and ``"bytes"`` (the
     token all-to-alls of the first step, this rank)."""
     world = dist.group.WORLD
-    mesh = Mesh(dp=dist.get_world_size(), ep=ep)  # ep groups of consecutive ranks
-    ep_group, replicas = mesh.group("ep"), mesh.expert_replica_group()
+    ep_group, replicas = _expert_groups(ep)
     dev = this_device()  # NCCL moves only tensors on this rank's GPU
     model = expert_parallel_copy(build_model(cfg, seed), ep_group).to(dev)
     opt = make_optimizer(model.parameters(), "sgd", lr)
