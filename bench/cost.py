@@ -15,6 +15,9 @@ Sections, each a function printing one table:
   per model, the ratio at its most GPUs over the ratio at its fewest.
 - ``ranking``: the model's order of the layouts of published sweeps against the measured
   order (``parlib.cost.sweeps.ranking_table``).
+- ``calibration``: each generation's two training shares (matmuls of MAMF, memory-bound work
+  of the datasheet bandwidth) fitted to every published row, to llm-foundry's alone and to the
+  others alone, and how each fit predicts both sets (``parlib.cost.calibration``).
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
   measured here and emulated devices, then run with the combining chapter's code:
   measured / predicted per layout, with the measured link and with an emulated slow one
@@ -178,11 +181,19 @@ def foundry_section(args: argparse.Namespace) -> None:
     print(foundry_table())
 
 
+def calibration_section(args: argparse.Namespace) -> None:
+    from parlib.cost.calibration import held_out_table
+    print("\neach generation's training shares, fitted to one set of published rows and held "
+          "against the other (sources: parlib/cost/calibration.py)\n")
+    print(held_out_table())
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "plan": plan_section,
     "published": published_section,
     "foundry": foundry_section,
     "ranking": ranking_section,
+    "calibration": calibration_section,
     "layouts": layouts_section,
 }
 

@@ -99,7 +99,7 @@ def matmul_table(rates: list[MatmulRate]) -> str:
 
 
 def _memory_of(device: torch.device) -> dict[str, float]:
-    """The datasheet memory bandwidth (and its achievable fraction) of a GPU the presets
+    """The datasheet memory bandwidth (and its achievable fractions) of a GPU the presets
     know, so the cost model charges the memory-bound operations; none on the CPU."""
     if device.type != "cuda":
         return {}
@@ -109,7 +109,8 @@ def _memory_of(device: torch.device) -> dict[str, float]:
         if generation in name:
             hw = preset(1)
             return {"memory_bandwidth": hw.memory_bandwidth,
-                    "memory_efficiency": hw.memory_efficiency}
+                    "memory_efficiency": hw.memory_efficiency,
+                    "streaming_efficiency": hw.streaming_efficiency}
     return {}
 
 

@@ -57,8 +57,13 @@ class Achievable:
     node, ``collective_half_bytes`` the message size at which a collective reaches half
     its large-message bus bandwidth (:func:`half_bandwidth_bytes`; 0: every size at the
     peak), ``overlap_slowdown`` how much longer compute takes while a collective runs
-    beside it (0.189: 18.9% longer), and ``source`` where the numbers come from (or what was
-    assumed)."""
+    beside it (0.189: 18.9% longer), ``training_matmul`` the fraction of ``matmul_fraction``
+    a training step's matmuls reach, and ``source`` where the numbers come from (or what was
+    assumed). ``training_matmul`` and, for the A100 and H100, ``memory_bandwidth`` are fitted
+    to every published run of the generation (:mod:`parlib.cost.calibration`): the ceilings
+    alone made every published run look slower than the model said. ``streaming_bandwidth``
+    is the fraction of the datasheet's memory bandwidth large streaming kernels reach (the
+    optimizer step, a cast of all the gradients): not fitted, assumed."""
 
     generation: str
     matmul_fraction: float
@@ -68,9 +73,12 @@ class Achievable:
     nvlink_bandwidth: float = 1.0
     collective_half_bytes: float = 0.0
     overlap_slowdown: float = 0.0
+    training_matmul: float = 1.0
+    streaming_bandwidth: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("matmul_fraction", "memory_bandwidth", "nvlink_bandwidth"):
+        for name in ("matmul_fraction", "memory_bandwidth", "nvlink_bandwidth",
+                     "training_matmul", "streaming_bandwidth"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"{self.generation}: {name} must be a fraction in (0, 1], "
@@ -85,10 +93,13 @@ class Achievable:
 
 
 # No vendor or paper publishes a table of achieved HBM bandwidth the way the MAMF table does
-# for matmuls; we assume 90% of the datasheet for every generation (a stream copy of large
-# tensors typically measures 85-93% of it). It is an assumption, stated as one.
-_ASSUMED_MEMORY = 0.90
-_MEMORY_NOTE = "memory bandwidth: no published table, assumed 90% of the datasheet"
+# for matmuls; a stream copy of large tensors typically measures 85-93% of the datasheet, so
+# large streaming kernels (the optimizer step, casting all the gradients) are assumed at 90%
+# for every generation: an assumption, stated as one. The memory fractions below are another
+# thing: what a training step's per-layer memory-bound work reaches per byte the model counts,
+# fitted (A100_TRAINING, H100_TRAINING).
+_ASSUMED_STREAMING = 0.90
+_STREAMING_NOTE = "large streaming kernels (optimizer, gradient casts) assumed at 90% of it"
 # The same book's network chapter (network/README.md, "the ~80% rule of thumb"): an 8-GPU
 # node's all-reduce bus bandwidth at a 16 GiB payload, against the one-way NVLink spec:
 # A100 (NVLink 3) 234.89 of 300 GB/s, 78%; H200 (NVLink 4) with NCCL's ring 367.61 of 450,
@@ -176,6 +187,15 @@ _HALF = fitted_half_bandwidth_bytes(H200_ALLREDUCE_BUSBW, 8, INTRA_NODE_ALPHA,
 OVERLAP_SLOWDOWN = 0.189
 _OVERLAP_NOTE = ("compute beside collectives 18.9% slower: Lee et al. 2025 (arXiv "
                  "2507.03114), mean over A100, H100, MI250, MI210")
+# What a training step reaches of the ceilings above, fitted by parlib.cost.calibration.fit to
+# every published run of the generation (tests/cost/test_calibration.py re-runs the fit):
+# (fraction of MAMF its matmuls reach, fraction of the datasheet memory bandwidth the bytes the
+# model counts for its memory-bound work move at).
+A100_TRAINING = (0.82, 0.67)
+H100_TRAINING = (0.88, 0.23)
+_TRAINING_NOTE = ("a training step's matmuls at {0:.0%} of MAMF and its memory-bound work at "
+                  "{1:.0%} of the datasheet bandwidth: fitted to every published run on {2} "
+                  "(parlib.cost.calibration); " + _STREAMING_NOTE)
 _HALF_NOTE = (f"collectives by size: half the peak bus bandwidth at {_HALF / MiB:.1f} MiB, "
               "fitted under the model's latency to the H200 curve of ML Engineering's "
               "all-reduce-8xH200 results (assumed for every link)")
@@ -184,29 +204,38 @@ ACHIEVABLE: dict[str, Achievable] = {
     # Stas Bekman, "Machine Learning Engineering", compute/accelerator, the "Maximum
     # Achievable Matmul FLOPS comparison table" (BF16, no sparsity): A100 SXM 267.9 of 312
     # TFLOPS, 85.9% (CUDA 12.1, best shape 6912x16384x2048).
-    "A100": Achievable("A100", 267.9 / 312, _ASSUMED_MEMORY,
+    "A100": Achievable("A100", 267.9 / 312, A100_TRAINING[1],
                        "MAMF table, ML Engineering (Bekman): 267.9 of 312 TFLOPS; "
-                       + _MEMORY_NOTE + "; 108 SMs (NVIDIA A100 datasheet); " + _NVLINK_NOTE
+                       + _TRAINING_NOTE.format(*A100_TRAINING, "A100")
+                       + "; 108 SMs (NVIDIA A100 datasheet); " + _NVLINK_NOTE
                        + ": 234.89 of 300 GB/s; " + _HALF_NOTE + "; " + _OVERLAP_NOTE,
                        multiprocessors=108, nvlink_bandwidth=234.89 / 300,
-                       collective_half_bytes=_HALF, overlap_slowdown=OVERLAP_SLOWDOWN),
+                       collective_half_bytes=_HALF, overlap_slowdown=OVERLAP_SLOWDOWN,
+                       training_matmul=A100_TRAINING[0], streaming_bandwidth=_ASSUMED_STREAMING),
     # Same table: H100 SXM 792.1 of 989 TFLOPS, 80.1% (CUDA 12.1, 6144x17920x2816).
-    "H100": Achievable("H100", 792.1 / 989, _ASSUMED_MEMORY,
+    "H100": Achievable("H100", 792.1 / 989, H100_TRAINING[1],
                        "MAMF table, ML Engineering (Bekman): 792.1 of 989 TFLOPS; "
-                       + _MEMORY_NOTE + "; 132 SMs (H100 SXM5, NVIDIA Hopper whitepaper); "
+                       + _TRAINING_NOTE.format(*H100_TRAINING, "H100")
+                       + "; 132 SMs (H100 SXM5, NVIDIA Hopper whitepaper); "
                        + _NVLINK_NOTE + ": the H200's NVLink 4 ring, 367.61 of 450 GB/s; "
                        + _HALF_NOTE + "; " + _OVERLAP_NOTE,
                        multiprocessors=132, nvlink_bandwidth=H200_RING_BUSBW / 450e9,
-                       collective_half_bytes=_HALF, overlap_slowdown=OVERLAP_SLOWDOWN),
+                       collective_half_bytes=_HALF, overlap_slowdown=OVERLAP_SLOWDOWN,
+                       training_matmul=H100_TRAINING[0], streaming_bandwidth=_ASSUMED_STREAMING),
     # The book's later table lists "H100/H200 SXM" together at 794.5 of 989 TFLOPS (80.3%):
-    # the same chip with more and faster memory.
-    "H200": Achievable("H200", 794.5 / 989, _ASSUMED_MEMORY,
+    # the same chip with more and faster memory. No published H200 run to fit: it takes the
+    # H100's training fractions (its memory-bound work at the H100's absolute rate, since
+    # those costs did not follow the datasheet from A100 to H100 either).
+    "H200": Achievable("H200", 794.5 / 989, H100_TRAINING[1] * 3.35 / 4.8,
                        "MAMF table, ML Engineering (Bekman): H100/H200 SXM 794.5 of 989 "
-                       "TFLOPS; " + _MEMORY_NOTE + "; 132 SMs (the H100's chip); "
+                       "TFLOPS; the H100's training fractions (no published H200 run to fit), "
+                       "its memory-bound work at the H100's bytes/s; " + _STREAMING_NOTE
+                       + "; 132 SMs (the H100's chip); "
                        + _NVLINK_NOTE + ": NVLink 4 ring, 367.61 of 450 GB/s; " + _HALF_NOTE
                        + "; " + _OVERLAP_NOTE,
                        multiprocessors=132, nvlink_bandwidth=H200_RING_BUSBW / 450e9,
-                       collective_half_bytes=_HALF, overlap_slowdown=OVERLAP_SLOWDOWN),
+                       collective_half_bytes=_HALF, overlap_slowdown=OVERLAP_SLOWDOWN,
+                       training_matmul=H100_TRAINING[0], streaming_bandwidth=_ASSUMED_STREAMING),
     # A rate measured here (parlib.measure.matmul_rate) is already what this machine
     # achieves: nothing left to discount.
     "measured": Achievable("measured", 1.0, 1.0,

@@ -718,7 +718,7 @@ def _gradient_cast(step: _Step, unsharded_params: float, grad_reduce_bytes: int 
     reductions = step.m if step.zero >= 2 else 1
     moved = reductions * unsharded_params * gradient_cast_bytes_per_param(grad_bytes,
                                                                          grad_reduce_bytes)
-    return moved / step.hardware.achievable_memory_bandwidth
+    return moved / step.hardware.achievable_streaming_bandwidth
 
 
 def _optimizer_step(step: _Step, memory: dict[str, float]) -> float:
@@ -727,7 +727,7 @@ def _optimizer_step(step: _Step, memory: dict[str, float]) -> float:
     per_param = model_state_bytes_per_param(step.mixed_precision)["optimizer"]
     updated = memory["optimizer"] / per_param
     return (updated * optimizer_step_bytes_per_param(step.mixed_precision)
-            / step.hardware.achievable_memory_bandwidth)
+            / step.hardware.achievable_streaming_bandwidth)
 
 
 # ---- communication, one helper per axis: seconds (and hidden seconds) and bytes sent

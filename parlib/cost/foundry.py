@@ -21,10 +21,11 @@ the runs slow as they spread).
 
 from __future__ import annotations
 
+from parlib.cost.estimate import Estimate
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.model import Model
-from parlib.cost.published import RUNS, TARGET_BAND, PublishedRun, comparison_table
+from parlib.cost.published import MOSAIC_RUNS, RUNS, TARGET_BAND, PublishedRun, comparison_table
 
 _SOURCE = "MosaicML llm-foundry, scripts/train/benchmarking/README.md"
 # (n_layers, d_model, n_heads) of scripts/train/yamls/pretrain/mpt-<size>.yaml
@@ -172,20 +173,28 @@ def best_published(generation: str,
     return max(pool, key=lambda r: r.reported)
 
 
-def median_ratio(generation: str, runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS) -> float:
-    """The median reported / predicted of ``runs`` on ``generation``."""
-    ratios = sorted(r.ratio() for r in runs if r.hardware.generation == generation)
+def ratio_band(generation: str) -> tuple[float, float, float]:
+    """(lowest, median, highest) reported / predicted over every published row on
+    ``generation`` (:data:`~parlib.cost.published.RUNS` and :data:`FOUNDRY_RUNS`, llm-foundry's
+    two MosaicML rows counted once): the model's error band on that generation."""
+    mosaic = {run.name for run in MOSAIC_RUNS}
+    ratios = sorted(r.ratio() for r in RUNS + FOUNDRY_RUNS
+                    if r.hardware.generation == generation and r.name not in mosaic)
     if not ratios:
-        raise ValueError(f"no rows on {generation!r}")
+        raise ValueError(f"no published rows on {generation!r}")
     mid = len(ratios) // 2
-    return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return ratios[0], median, ratios[-1]
 
 
-def against_published(mfu: float, generation: str) -> str:
+def against_published(mfu: float, generation: str, est: Estimate | None = None) -> str:
     """One sentence holding a predicted ``mfu`` against the best MFU published on its
     ``generation`` (:func:`best_published`), and, when it is more than :data:`ABOVE_BEST`
-    above it, why the model can predict that much: what it charges and what it cannot know,
-    with the median reported / predicted of llm-foundry's rows on that generation."""
+    above it, why: the band the published rows of that generation came in at
+    (:func:`ratio_band`), that band applied to this prediction, and, given the prediction's
+    :class:`~parlib.cost.estimate.Estimate` ``est``, its share of matmul time against the best
+    run's (a step more matmul than any published one is where the fitted shares were least
+    tested)."""
     best = best_published(generation)
     above = mfu / best.reported - 1
     head = (f"predicted MFU {mfu:.0%} against the best published on {generation} among "
@@ -194,12 +203,16 @@ def against_published(mfu: float, generation: str) -> str:
         return head + ": at or below it."
     if above <= ABOVE_BEST:
         return head + f": {above:.0%} above it, within {ABOVE_BEST:.0%}."
-    return (head + f": {above:.0%} above it. Why: the model charges the matmuls at the best "
-            f"measured matmul rate and the traffic it can count; it does not know kernels "
-            f"below that rate (attention, unfused norms), framework overheads or the "
-            f"software a run had, and llm-foundry's {generation} runs reached a median "
-            f"{median_ratio(generation):.2f} of what it predicts for them. Read it as an "
-            f"upper bound on that stack, not as a rate to expect.")
+    low, median, high = ratio_band(generation)
+    why = (f"{head}: {above:.0%} above it. Why: the model's {generation} shares are fitted to "
+           f"published runs, which came in at {low:.2f}-{high:.2f} of its predictions (median "
+           f"{median:.2f}); held to that band this one is {low * mfu:.0%}-{high * mfu:.0%}.")
+    if est is not None:
+        ours, theirs = (e.time["compute"] / e.step_time for e in (est, best.estimate()))
+        why += (f" Its step is {ours:.0%} matmul, the best published run's {theirs:.0%}"
+                + (": more than that run's, where the shares were least tested. Read it as an "
+                   "upper bound, not as a rate to expect." if ours > theirs else "."))
+    return why
 
 
 def foundry_table(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
@@ -221,4 +234,5 @@ def foundry_table(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
 
 __all__ = ["A100_40GB_ROWS", "ABOVE_BEST", "FOUNDRY_RUNS", "H100_80GB_ROWS", "MPT_SHAPES",
            "TARGET_SHARE", "TARGET_TREND", "a100_40gb", "against_published", "best_published",
-           "foundry_run", "foundry_table", "in_band_share", "median_ratio", "mpt", "trends"]
+           "ratio_band",
+           "foundry_run", "foundry_table", "in_band_share", "mpt", "trends"]

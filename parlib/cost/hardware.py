@@ -60,8 +60,10 @@ class Link:
 def _achievable(generation: str) -> dict[str, Any]:
     """A preset's fields from its generation's row of the efficiency table."""
     row = achievable(generation)
-    return {"generation": generation, "compute_efficiency": row.matmul_fraction,
+    return {"generation": generation,
+            "compute_efficiency": row.matmul_fraction * row.training_matmul,
             "memory_efficiency": row.memory_bandwidth, "multiprocessors": row.multiprocessors,
+            "streaming_efficiency": row.streaming_bandwidth,
             "intra_node_efficiency": row.nvlink_bandwidth,
             "collective_half_bytes": row.collective_half_bytes,
             "overlap_slowdown": row.overlap_slowdown}
@@ -74,26 +76,27 @@ class Hardware:
     ``memory_bytes`` and ``peak_flops`` are per device (peak at the training dtype).
     ``compute_efficiency`` is the fraction of peak the matmuls really run at: 1.0 means "at
     peak"; the presets take their generation's achievable fraction
-    (:data:`parlib.cost.efficiency.ACHIEVABLE`, the best measured matmul over the
-    datasheet); ``measured_here`` folds the measured rate into ``peak_flops`` instead.
-    ``memory_bandwidth`` is the device memory's bytes/s (datasheet), of which
-    ``memory_efficiency`` is reached; the memory-bound operations (norms, softmax,
-    elementwise) are charged bytes over that rate. The default, infinite, charges them
-    nothing (the model before they were counted). ``generation`` names the device's row of
-    the efficiency table ("A100", "H100", ...; "" when none applies). ``multiprocessors``
-    (the presets: their generation's SM count) makes the matmul rate depend on shape: a
-    matmul's output tiles run in waves over the SMs and small matmuls lose a larger share
-    to the last, partly empty wave (:func:`parlib.cost.efficiency.matmul_time`); 0 runs
+    (:data:`parlib.cost.efficiency.ACHIEVABLE`, the best measured matmul over the datasheet,
+    times the share of it published training runs reached); ``measured_here`` folds the measured
+    rate into ``peak_flops`` instead. ``memory_bandwidth`` is the device memory's bytes/s
+    (datasheet), of which ``memory_efficiency`` is reached by the layers' memory-bound
+    operations (norms, softmax, elementwise; the presets: the share published runs reached per
+    byte the model counts), charged bytes over that rate, and ``streaming_efficiency`` by large
+    streaming kernels (the optimizer step, a cast of all the gradients). The default bandwidth,
+    infinite, charges them nothing (the model before they were counted). ``generation`` names
+    the device's row of the efficiency table ("A100", "H100", ...; "" when none applies).
+    ``multiprocessors`` (the presets: their generation's SM count) makes the matmul rate depend
+    on shape: a matmul's output tiles run in waves over the SMs and small matmuls lose a larger
+    share to the last, partly empty wave (:func:`parlib.cost.efficiency.matmul_time`); 0 runs
     every shape at ``achievable_flops``. ``intra_node_efficiency`` is the fraction of
-    ``intra_node``'s (datasheet) bandwidth collectives reach inside a node (the presets:
-    their generation's measured NVLink fraction); :meth:`link_for` returns the node's
-    link at that rate. ``collective_half_bytes`` (the presets: 1.8 MiB, fitted to a measured
-    all-reduce curve under this model's latency) charges each collective at the bus
-    bandwidth of its message's size, half the link's at that size
-    (:func:`parlib.cost.collectives.size_efficiency`); 0 charges every size at the link's
-    rate. ``overlap_slowdown`` (the presets: 0.189, a
-    published measurement) is how much longer compute takes while a collective runs beside
-    it: every second of communication hidden behind compute costs that much compute time.
+    ``intra_node``'s (datasheet) bandwidth collectives reach inside a node (the presets: their
+    generation's measured NVLink fraction); :meth:`link_for` returns the node's link at that
+    rate. ``collective_half_bytes`` (the presets: 1.8 MiB, fitted to a measured all-reduce curve
+    under this model's latency) charges each collective at the bus bandwidth of its message's
+    size, half the link's at that size (:func:`parlib.cost.collectives.size_efficiency`); 0
+    charges every size at the link's rate. ``overlap_slowdown`` (the presets: 0.189, a published
+    measurement) is how much longer compute takes while a collective runs beside it: every
+    second of communication hidden behind compute costs that much compute time.
     """
 
     n_devices: int
@@ -111,6 +114,7 @@ class Hardware:
     intra_node_efficiency: float = 1.0
     collective_half_bytes: float = 0.0
     overlap_slowdown: float = 0.0
+    streaming_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for field in ("n_devices", "devices_per_node"):
@@ -124,7 +128,8 @@ class Hardware:
             raise ValueError(f"memory_bytes must be > 0, got {self.memory_bytes!r}")
         if not self.peak_flops > 0:
             raise ValueError(f"peak_flops must be > 0, got {self.peak_flops!r}")
-        for field in ("compute_efficiency", "memory_efficiency", "intra_node_efficiency"):
+        for field in ("compute_efficiency", "memory_efficiency", "intra_node_efficiency",
+                      "streaming_efficiency"):
             value = getattr(self, field)
             if not 0 < value <= 1:
                 raise ValueError(f"{field} must be in (0, 1], got {value!r}")
@@ -156,11 +161,18 @@ class Hardware:
         return self.memory_bandwidth * self.memory_efficiency
 
     @property
+    def achievable_streaming_bandwidth(self) -> float:
+        """Bytes/s large streaming kernels (the optimizer step, a cast of all the gradients)
+        reach: ``memory_bandwidth x streaming_efficiency``."""
+        return self.memory_bandwidth * self.streaming_efficiency
+
+    @property
     def at_peak(self) -> Hardware:
         """This hardware at its datasheet: compute, memory and NVLink efficiency 1 and
         every matmul shape at that rate (an upper bound, as the cost model was before it
         counted achievable rates)."""
-        return replace(self, compute_efficiency=1.0, memory_efficiency=1.0, multiprocessors=0,
+        return replace(self, compute_efficiency=1.0, memory_efficiency=1.0,
+                       streaming_efficiency=1.0, multiprocessors=0,
                        intra_node_efficiency=1.0, collective_half_bytes=0.0,
                        overlap_slowdown=0.0)
 

@@ -19,21 +19,20 @@ Jean Zay's network is the one BigScience measured (:meth:`Hardware.jean_zay_a100
 rings share 5.06 GB/s), so a TP 8 layout, whose eight data-parallel groups leave each node at
 once, pays its gradient sync at an eighth of it per group; with the datasheet's 6.25 GB/s
 per GPU, and each rank's share of a ring charged to its own NIC, the measured steps were
-1.3-1.7x the predicted ones. Now they are 0.88-1.21x on the 02-25 tables and 1.06-1.31x on
-the 02-21 one (before that day's PCI-Express fix).
+1.3-1.7x the predicted ones. Now they are 0.80-1.05x on the 02-25 tables and 0.92-1.13x on
+the 02-21 one (before that day's PCI-Express fix), with the A100's training fractions
+(:mod:`parlib.cost.calibration`, fitted to the published rows, not to these sweeps).
 
-What the model cannot know about BigScience's runs: the excess grows with the number of
-microbatches: on the TP 8 sweep a least-squares line through its 7 points gives about 8.8 s
-plus 6.7 ms per microbatch per layer of a stage (a diagnosis, used nowhere; 9.4 s plus 6.8 ms
+What the model cannot know about BigScience's runs: the excess depends on the number of
+microbatches: on the TP 8 sweep a least-squares line through its 7 points gives about -8.9 s
+plus 6.9 ms per microbatch per layer of a stage (a diagnosis, used nowhere; -8.5 s plus 7.0 ms
 with every collective at the link's large-message rate: charging each at its message size's
-bus bandwidth explains little of it, once the half size is fitted under the model's own
-latency; read straight off the measured curve it counted the latency twice and seemed to
-explain a third). The model charges a matmul's shape (bigger microbatches run nearer the best
-rate), so it still ranks small microbatches too high. A fixed cost per kernel or message
-(framework and launch overheads of early 2022's Megatron-DeepSpeed) would not account for
-the rest either: along the TP 8 sweep, beyond what the model predicts, MBS 1 -> 2 saved
-4.1-4.6 ms per microbatch-layer no longer run, MBS 2 -> 4 13.7-15.6 ms, and MBS 4 -> 8
-2.1 ms. A constant cost per call would save the same at every step; this is a rate that
+bus bandwidth explains little of it). The model charges a matmul's shape (bigger microbatches
+run nearer the best rate), so it still ranks small microbatches too high. A fixed cost per
+kernel or message (framework and launch overheads of early 2022's Megatron-DeepSpeed) would
+not account for it either: along the TP 8 sweep, beyond what the model predicts, MBS 1 -> 2
+saved 3.8-4.4 ms per microbatch-layer no longer run, MBS 2 -> 4 14.0-16.0 ms, and MBS 4 -> 8
+5.0 ms. A constant cost per call would save the same at every step; this is a rate that
 rises with the microbatch up to MBS 4, more steeply than the waves of
 :func:`~parlib.cost.efficiency.matmul_time` say. (With the last wave charged whole, the
 guide's ceiling, instead of half of it, the sweeps' correlations would be higher; the half

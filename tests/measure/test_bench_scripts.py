@@ -69,7 +69,8 @@ def test_cost_script_defaults_are_the_experiments_constants():
     ap_defaults = {a.dest: a.default for a in cost.build_parser()._actions}
     assert ap_defaults["slowdown"] == L.SLOWDOWN
     assert ap_defaults["flops_per_byte"] == L.SLOW_LINK_FLOPS_PER_BYTE
-    assert set(ap_defaults["sections"]) == {"plan", "published", "foundry", "ranking", "layouts"}
+    assert set(ap_defaults["sections"]) == {"plan", "published", "foundry", "ranking",
+                                            "calibration", "layouts"}
     assert ap_defaults["link"] == "paced"
 
 

@@ -1,0 +1,75 @@
+"""The training fractions each generation's presets carry, re-fitted from the published rows
+(parlib.cost.calibration), and the fit worked on cases whose answer is known."""
+
+import dataclasses
+
+import pytest
+
+from parlib.cost import Hardware, Layout, Model
+from parlib.cost.calibration import fit, held_out_table, in_band, ratio_at, rows_of
+from parlib.cost.efficiency import A100_TRAINING, ACHIEVABLE, H100_TRAINING
+from parlib.cost.foundry import FOUNDRY_RUNS
+from parlib.cost.published import MOSAIC_RUNS, RUNS, PublishedRun
+
+
+@pytest.mark.parametrize("generation, stored", [("A100", A100_TRAINING),
+                                                ("H100", H100_TRAINING)])
+def test_the_presets_hold_what_the_fit_finds(generation, stored):
+    found = fit(rows_of(generation), generation)
+    print(f"\n{found}")
+    assert (found.matmul, found.memory) == stored
+    row = ACHIEVABLE[generation]
+    assert (row.training_matmul, row.memory_bandwidth) == stored
+    assert f"{stored[0]:.0%} of MAMF" in row.source and "fitted" in row.source
+
+
+def test_rows_count_once_and_stay_on_their_generation():
+    rows = rows_of("H100")
+    names = [r.name for r in rows]
+    assert len(names) == len(set(names))
+    assert not {r.name for r in MOSAIC_RUNS} & set(names)  # llm-foundry's rows, once
+    assert all(r.hardware.generation == "H100" for r in rows)
+    assert len(rows_of("A100")) == sum(r.hardware.generation == "A100"
+                                       for r in RUNS + FOUNDRY_RUNS)
+    with pytest.raises(ValueError, match="no published rows"):
+        rows_of("TPU")
+
+
+def _one_device_run(reported: float) -> PublishedRun:
+    # one device, no memory bandwidth given: the step is compute alone
+    model = Model(4, 512, 8, 1024, 1000, name="toy")
+    hardware = Hardware.dgx_a100(8).with_(n_devices=1, memory_bandwidth=float("inf"))
+    return PublishedRun("toy", "by hand", model, hardware, Layout(), dict(m=1, global_batch=4),
+                        "mfu", reported, None, "", "")
+
+
+def test_the_matmul_fraction_scales_compute_time_by_hand():
+    run = _one_device_run(0.3)
+    # compute alone: MFU is proportional to the matmul rate, so half the rate doubles the ratio
+    assert ratio_at(run, 0.5, 0.9) == pytest.approx(2 * ratio_at(run, 1.0, 0.9))
+    assert ratio_at(run, 1.0, 0.9) == pytest.approx(ratio_at(run, 1.0, 0.1))  # no memory term
+
+
+def test_the_fit_recovers_fractions_it_was_given():
+    # every A100 row of llm-foundry "reported" at exactly what (0.72, 0.45) predicts
+    rows = tuple(r for r in FOUNDRY_RUNS if r.hardware.generation == "A100")
+    made_up = tuple(dataclasses.replace(r, reported=r.reported / ratio_at(r, 0.72, 0.45))
+                    for r in rows)
+    found = fit(made_up, "A100")
+    assert (found.matmul, found.memory) == (0.72, 0.45)
+    assert found.error == pytest.approx(0, abs=1e-12) and found.rows == len(rows)
+    assert in_band(made_up, 0.72, 0.45)[0] == len(rows)
+    with pytest.raises(ValueError, match="at least one"):
+        fit(())
+
+
+def test_a_fraction_fitted_on_one_table_predicts_the_other_on_a100s():
+    table = held_out_table(("A100",))
+    print("\n" + table)
+    foundry = tuple(r for r in rows_of("A100") if r in FOUNDRY_RUNS)
+    others = tuple(r for r in rows_of("A100") if r not in FOUNDRY_RUNS)
+    from_foundry = fit(foundry, "A100")
+    assert in_band(others, from_foundry.matmul, from_foundry.memory)[0] >= len(others) - 1
+    from_others = fit(others, "A100")
+    assert in_band(foundry, from_others.matmul, from_others.memory)[0] >= 0.9 * len(foundry)
+    assert len(table.splitlines()) == 4
