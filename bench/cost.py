@@ -15,6 +15,9 @@ Sections, each a function printing one table:
   per model, the ratio at its most GPUs over the ratio at its fewest.
 - ``ranking``: the model's order of the layouts of published sweeps against the measured
   order (``parlib.cost.sweeps.ranking_table``).
+- ``avoided``: ZeRO-3 without model parallelism beside Megatron-LM's PTD-P on 384-2240 A100s
+  (Narayanan et al. 2021, Table 2), predicted against reported, and whether the model orders
+  each pair as measured (``parlib.cost.avoided``).
 - ``calibration``: each generation's two training shares (matmuls of MAMF, memory-bound work
   of the datasheet bandwidth) fitted to every published row, to llm-foundry's alone and to the
   others alone, and how each fit predicts both sets (``parlib.cost.calibration``).
@@ -181,6 +184,16 @@ def foundry_section(args: argparse.Namespace) -> None:
     print(foundry_table())
 
 
+def avoided_section(args: argparse.Namespace) -> None:
+    from parlib.cost.avoided import PTDP_RUNS, ZERO3_RUNS, pairs_table
+    from parlib.cost.published import comparison_table
+    print("\na layout experts avoid, measured beside the one they chose: ZeRO-3 alone and "
+          "PTD-P on the same GPUs (sources: parlib/cost/avoided.py)\n")
+    print(comparison_table(ZERO3_RUNS + PTDP_RUNS))
+    print()
+    print(pairs_table())
+
+
 def calibration_section(args: argparse.Namespace) -> None:
     from parlib.cost.calibration import held_out_table
     print("\neach generation's training shares, fitted to one set of published rows and held "
@@ -193,6 +206,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "published": published_section,
     "foundry": foundry_section,
     "ranking": ranking_section,
+    "avoided": avoided_section,
     "calibration": calibration_section,
     "layouts": layouts_section,
 }

@@ -21,6 +21,7 @@ the runs slow as they spread).
 
 from __future__ import annotations
 
+from parlib.cost.avoided import zero3_caution
 from parlib.cost.estimate import Estimate
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
@@ -194,25 +195,30 @@ def against_published(mfu: float, generation: str, est: Estimate | None = None) 
     (:func:`ratio_band`), that band applied to this prediction, and, given the prediction's
     :class:`~parlib.cost.estimate.Estimate` ``est``, its share of matmul time against the best
     run's (a step more matmul than any published one is where the fitted shares were least
-    tested)."""
+    tested). Given a ZeRO-3 ``est`` across nodes, whatever its MFU, it adds the band of the
+    published ZeRO-3 runs at scale (:func:`parlib.cost.avoided.zero3_caution`)."""
     best = best_published(generation)
     above = mfu / best.reported - 1
-    head = (f"predicted MFU {mfu:.0%} against the best published on {generation} among "
+    text = (f"predicted MFU {mfu:.0%} against the best published on {generation} among "
             f"parlib's rows, {best.reported:.0%} ({best.name})")
     if above <= 0:
-        return head + ": at or below it."
-    if above <= ABOVE_BEST:
-        return head + f": {above:.0%} above it, within {ABOVE_BEST:.0%}."
-    low, median, high = ratio_band(generation)
-    why = (f"{head}: {above:.0%} above it. Why: the model's {generation} shares are fitted to "
-           f"published runs, which came in at {low:.2f}-{high:.2f} of its predictions (median "
-           f"{median:.2f}); held to that band this one is {low * mfu:.0%}-{high * mfu:.0%}.")
-    if est is not None:
-        ours, theirs = (e.time["compute"] / e.step_time for e in (est, best.estimate()))
-        why += (f" Its step is {ours:.0%} matmul, the best published run's {theirs:.0%}"
-                + (": more than that run's, where the shares were least tested. Read it as an "
-                   "upper bound, not as a rate to expect." if ours > theirs else "."))
-    return why
+        text += ": at or below it."
+    elif above <= ABOVE_BEST:
+        text += f": {above:.0%} above it, within {ABOVE_BEST:.0%}."
+    else:
+        low, median, high = ratio_band(generation)
+        text += (f": {above:.0%} above it. Why: the model's {generation} shares are fitted to "
+                 f"published runs, which came in at {low:.2f}-{high:.2f} of its predictions "
+                 f"(median {median:.2f}); held to that band this one is "
+                 f"{low * mfu:.0%}-{high * mfu:.0%}.")
+        if est is not None:
+            ours, theirs = (e.time["compute"] / e.step_time for e in (est, best.estimate()))
+            text += (f" Its step is {ours:.0%} matmul, the best published run's {theirs:.0%}"
+                     + (": more than that run's, where the shares were least tested. Read it "
+                        "as an upper bound, not as a rate to expect." if ours > theirs
+                        else "."))
+    caution = zero3_caution(est) if est is not None else ""
+    return text + (f" {caution}" if caution else "")
 
 
 def foundry_table(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
