@@ -31,6 +31,12 @@ Built on them, the choosing chapter's cost model:
 - :mod:`parlib.cost.published`: published runs to hold the model against.
 - :mod:`parlib.cost.foundry`: llm-foundry's FSDP benchmarks, every model size at every GPU
   count, held against the model the same way.
+- :mod:`parlib.cost.calibration`: the two training shares of each generation (matmuls of the
+  best measured matmul, memory-bound work of the bandwidth), fitted to every published run
+  of it, and each table held against a fit to the other.
+- :mod:`parlib.cost.avoided`: a layout experts avoid (ZeRO-3 alone on hundreds of GPUs)
+  measured beside the one they chose, held against the model.
+- :mod:`parlib.cost.sweeps`: published layout sweeps, the model's order against the measured.
 
 Each formula is written once, in the module named for it; the estimate and the planner call
 those functions rather than restating them.
