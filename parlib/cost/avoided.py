@@ -125,8 +125,10 @@ def zero3_caution(est: Estimate) -> str:
     low, high = zero3_band()
     agree = sum((z.reported > p.reported) == (z.estimate().hfu > p.estimate().hfu)
                 for z, p in pairs())
+    gpus = [run.layout.world for run in ZERO3_RUNS]
     return (f"ZeRO-3 across nodes is where the model is least sure: the published ZeRO-3 runs "
-            f"of 384-2240 A100s (Narayanan et al. 2021, Table 2) reached {low:.2f}-{high:.2f} "
+            f"of {min(gpus)}-{max(gpus)} A100s (Narayanan et al. 2021, Table 2) reached "
+            f"{low:.2f}-{high:.2f} "
             f"of what it predicts for them, and it orders {agree} of {len(ZERO3_RUNS)} of "
             f"them as measured against the 3-D layout run beside them (parlib.cost.avoided); "
             f"held to that band this one is "

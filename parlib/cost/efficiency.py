@@ -59,9 +59,10 @@ class Achievable:
     peak), ``overlap_slowdown`` how much longer compute takes while a collective runs
     beside it (0.189: 18.9% longer), ``training_matmul`` the fraction of ``matmul_fraction``
     a training step's matmuls reach, and ``source`` where the numbers come from (or what was
-    assumed). ``training_matmul`` and, for the A100 and H100, ``memory_bandwidth`` are fitted
-    to every published run of the generation (:mod:`parlib.cost.calibration`): the ceilings
-    alone made every published run look slower than the model said. ``streaming_bandwidth``
+    assumed). For the A100 and the H100, ``training_matmul`` and ``memory_bandwidth`` are
+    fitted to every published run of the generation (:mod:`parlib.cost.calibration`): the
+    ceilings alone made every published run look slower than the model said; the H200, with
+    no published run, takes the H100's. ``streaming_bandwidth``
     is the fraction of the datasheet's memory bandwidth large streaming kernels reach (the
     optimizer step, a cast of all the gradients): not fitted, assumed."""
 

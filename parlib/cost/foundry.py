@@ -178,9 +178,7 @@ def ratio_band(generation: str) -> tuple[float, float, float]:
     """(lowest, median, highest) reported / predicted over every published row on
     ``generation`` (:data:`~parlib.cost.published.RUNS` and :data:`FOUNDRY_RUNS`, llm-foundry's
     two MosaicML rows counted once): the model's error band on that generation."""
-    mosaic = {run.name for run in MOSAIC_RUNS}
-    ratios = sorted(r.ratio() for r in RUNS + FOUNDRY_RUNS
-                    if r.hardware.generation == generation and r.name not in mosaic)
+    ratios = sorted(r.ratio() for r in _published_rows(generation))
     if not ratios:
         raise ValueError(f"no published rows on {generation!r}")
     mid = len(ratios) // 2
@@ -188,15 +186,34 @@ def ratio_band(generation: str) -> tuple[float, float, float]:
     return ratios[0], median, ratios[-1]
 
 
+def _published_rows(generation: str) -> list[PublishedRun]:
+    """Every published row on ``generation`` (:data:`RUNS` and :data:`FOUNDRY_RUNS`,
+    llm-foundry's two MosaicML rows counted once): the rows the training shares are fitted
+    to."""
+    mosaic = {run.name for run in MOSAIC_RUNS}
+    return [r for r in RUNS + FOUNDRY_RUNS
+            if r.hardware.generation == generation and r.name not in mosaic]
+
+
+def most_matmul(generation: str) -> float:
+    """The highest share of its step a published row on ``generation`` spends in matmuls
+    (``compute``), as the model predicts it: how far the fitted shares were tested."""
+    rows = _published_rows(generation)
+    if not rows:
+        raise ValueError(f"no published rows on {generation!r}")
+    return max(e.time["compute"] / e.step_time for e in (r.estimate() for r in rows))
+
+
 def against_published(mfu: float, generation: str, est: Estimate | None = None) -> str:
     """One sentence holding a predicted ``mfu`` against the best MFU published on its
     ``generation`` (:func:`best_published`), and, when it is more than :data:`ABOVE_BEST`
     above it, why: the band the published rows of that generation came in at
     (:func:`ratio_band`), that band applied to this prediction, and, given the prediction's
-    :class:`~parlib.cost.estimate.Estimate` ``est``, its share of matmul time against the best
-    run's (a step more matmul than any published one is where the fitted shares were least
-    tested). Given a ZeRO-3 ``est`` across nodes, whatever its MFU, it adds the band of the
-    published ZeRO-3 runs at scale (:func:`parlib.cost.avoided.zero3_caution`)."""
+    :class:`~parlib.cost.estimate.Estimate` ``est``, its share of matmul time against the
+    highest among those rows (:func:`most_matmul`: a step more matmul than any of them is
+    beyond what the fitted shares were tested on). Given a ZeRO-3 ``est`` across nodes,
+    whatever its MFU, it adds the band of the published ZeRO-3 runs at scale
+    (:func:`parlib.cost.avoided.zero3_caution`)."""
     best = best_published(generation)
     above = mfu / best.reported - 1
     text = (f"predicted MFU {mfu:.0%} against the best published on {generation} among "
@@ -212,11 +229,10 @@ def against_published(mfu: float, generation: str, est: Estimate | None = None) 
                  f"(median {median:.2f}); held to that band this one is "
                  f"{low * mfu:.0%}-{high * mfu:.0%}.")
         if est is not None:
-            ours, theirs = (e.time["compute"] / e.step_time for e in (est, best.estimate()))
-            text += (f" Its step is {ours:.0%} matmul, the best published run's {theirs:.0%}"
-                     + (": more than that run's, where the shares were least tested. Read it "
-                        "as an upper bound, not as a rate to expect." if ours > theirs
-                        else "."))
+            ours, tested = est.time["compute"] / est.step_time, most_matmul(generation)
+            text += (f" Its step is {ours:.0%} matmul; the most of any of those runs is "
+                     f"{tested:.0%}" + (": this one is beyond what the shares were tested on."
+                                        if ours > tested else "."))
     caution = zero3_caution(est) if est is not None else ""
     return text + (f" {caution}" if caution else "")
 
@@ -241,4 +257,4 @@ def foundry_table(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
 __all__ = ["A100_40GB_ROWS", "ABOVE_BEST", "FOUNDRY_RUNS", "H100_80GB_ROWS", "MPT_SHAPES",
            "TARGET_SHARE", "TARGET_TREND", "a100_40gb", "against_published", "best_published",
            "ratio_band",
-           "foundry_run", "foundry_table", "in_band_share", "mpt", "trends"]
+           "foundry_run", "foundry_table", "in_band_share", "most_matmul", "mpt", "trends"]

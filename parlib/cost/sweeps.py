@@ -19,7 +19,7 @@ Jean Zay's network is the one BigScience measured (:meth:`Hardware.jean_zay_a100
 rings share 5.06 GB/s), so a TP 8 layout, whose eight data-parallel groups leave each node at
 once, pays its gradient sync at an eighth of it per group; with the datasheet's 6.25 GB/s
 per GPU, and each rank's share of a ring charged to its own NIC, the measured steps were
-1.3-1.7x the predicted ones. Now they are 0.80-1.05x on the 02-25 tables and 0.92-1.13x on
+1.3-1.7x the predicted ones. Now they are 0.80-1.05x on the 02-25 tables and 0.92-1.12x on
 the 02-21 one (before that day's PCI-Express fix), with the A100's training fractions
 (:mod:`parlib.cost.calibration`, fitted to the published rows, not to these sweeps).
 

@@ -29,9 +29,11 @@ def test_rows_are_the_tables():
     assert abs(ptdp.model.n_params / 1e9 - 529.6) < 2
     for r in ZERO3_RUNS + PTDP_RUNS:
         assert r.estimate().fits, r.name  # every one of them ran
-    # held out: none of them is among the rows the training shares were fitted to
-    fitted = {r.name for r in rows_of("A100")}
-    assert not fitted & {r.name for r in ZERO3_RUNS + PTDP_RUNS}
+    # held out: none of them is among the rows the training shares were fitted to (same
+    # model shape, GPU count and layout)
+    def key(r):
+        return (r.model.n_layers, r.model.d_model, r.layout.world, r.layout)
+    assert not {key(r) for r in rows_of("A100")} & {key(r) for r in ZERO3_RUNS + PTDP_RUNS}
 
 
 def test_pairs_are_one_model_at_the_nearest_gpu_count():
@@ -50,7 +52,10 @@ def test_the_table_counts_the_order_from_the_estimates():
     low, high = zero3_band()
     assert f"orders {agree} of {len(ZERO3_RUNS)} pairs as measured" in table
     assert f"{low:.2f}-{high:.2f}" in table
-    assert (low, high) == (min(r.ratio() for r in ZERO3_RUNS), max(r.ratio() for r in ZERO3_RUNS))
+    # what the README and the choosing chapter say of today's model: it orders none of the
+    # six as measured, and ZeRO-3 came in at 0.26-0.74 of its predictions
+    assert agree == 0
+    assert (low, high) == pytest.approx((0.26, 0.74), abs=0.02)
     # PTD-P, the layout the paper chose, stays in the band the other published rows meet
     assert all(0.8 <= r.ratio() <= 1.25 for r in PTDP_RUNS)
 

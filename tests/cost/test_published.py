@@ -28,7 +28,7 @@ fp32 reduce-scatter now hides behind its backward: the recomputed matmuls are wh
 of the change), MPT 7B 0.66. With each generation's training fractions fitted to every
 published row of it (parlib.cost.calibration: matmuls at 82% of MAMF on A100s and 88% on H100s,
 the layers' memory-bound work at 67% and 23% of the datasheet, large streaming kernels at 90%),
-15 of 16, 0.97-1.28 (above: Llama 3 on 8,192 GPUs, whose v = 1 bubble is an upper bound).
+15 of 16, 0.93-1.28 (above: Llama 3 on 8,192 GPUs, whose v = 1 bubble is an upper bound).
 test_agreement_does_not_regress guards that count.
 """
 
