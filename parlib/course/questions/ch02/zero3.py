@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -200,12 +201,32 @@ def _saved_by_autograd(root: Any) -> Iterator[Any]:
         stack.extend(next_node for next_node, _ in getattr(node, "next_functions", ()))
 
 
+# A collective's worker thread can hold its buffers for a moment after wait() returns (gloo's
+# does): a temporary of the learner's (a list all-gather's pieces) may still be alive at the
+# first look. Storage the learner keeps is there at every look; the smallest of a few looks,
+# this far apart, counts it and not the moment's temporaries.
+KEPT_LOOKS, KEPT_LOOK_GAP_S = 3, 0.02
+
+
 def _kept_bytes(logits: torch.Tensor, weights: list[torch.Tensor]) -> int:
     """Bytes of storage alive between forward and backward that hold other ranks' rows of
     a unit's W, whatever refers to it: autograd's saved tensors, or any Python object (a
     ctx attribute, a module, a global). Judged by storage, so a view, a ``.detach()``, a
     ``torch.cat`` of a list all-gather or an all-reduced buffer count the same; a cycle's
-    garbage is collected first, and ``weights`` themselves (the harness's) are left out."""
+    garbage is collected first, and ``weights`` themselves (the harness's) are left out.
+    The smallest of :data:`KEPT_LOOKS` looks: what a collective's thread still held for a
+    moment is not the learner's."""
+    kept = _kept_bytes_now(logits, weights)
+    for _ in range(KEPT_LOOKS - 1):
+        if not kept:
+            break
+        time.sleep(KEPT_LOOK_GAP_S)
+        kept = min(kept, _kept_bytes_now(logits, weights))
+    return kept
+
+
+def _kept_bytes_now(logits: torch.Tensor, weights: list[torch.Tensor]) -> int:
+    """One look of :func:`_kept_bytes`."""
     gc.collect()
     mine = {w.untyped_storage().data_ptr() for w in weights}
     candidates = list(_saved_by_autograd(logits.grad_fn))
