@@ -40,9 +40,13 @@ def test_schedule_time_units_are_refused():
 def test_agrees_with_torch_profilers_trace_of_the_same_run(tmp_path):
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    # spans of tens of milliseconds: ours encloses the profiler's, and on a loaded machine a
+    # preemption between the two enters (or exits) lands in ours alone, a few milliseconds at
+    # most; against such spans that stays inside the tolerance, and a wrong unit (a factor
+    # of 1000) or a wrong field does not
     rec, a = Recorder(rank=0), torch.ones(200, 200)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i, repeats in enumerate((5, 40, 15)):
+        for i, repeats in enumerate((100, 400, 200)):
             with rec.span("forward", mb=i), record_function(f"forward {i}"):
                 for _ in range(repeats):
                     a @ a
@@ -57,10 +61,11 @@ def test_agrees_with_torch_profilers_trace_of_the_same_run(tmp_path):
     assert [e["name"] for e in ours] == [e["name"] for e in theirs]
     for mine, torch_s in zip(ours, theirs):
         assert mine["ph"] == torch_s["ph"] == "X"
-        assert mine["dur"] == pytest.approx(torch_s["dur"], rel=0.1, abs=500)
+        assert torch_s["dur"] > 5000  # microseconds: the spans are as long as intended
+        assert mine["dur"] == pytest.approx(torch_s["dur"], rel=0.1, abs=2000)
     for k in (1, 2):
         assert ours[k]["ts"] - ours[0]["ts"] == pytest.approx(
-            theirs[k]["ts"] - theirs[0]["ts"], rel=0.1, abs=500)
+            theirs[k]["ts"] - theirs[0]["ts"], rel=0.1, abs=2000)
 
 
 def test_the_module_docstring_example_runs_as_written(tmp_path, monkeypatch):
