@@ -97,21 +97,27 @@ def zero3_band() -> tuple[float, float]:
     return min(ratios), max(ratios)
 
 
+def ordered_as_measured() -> int:
+    """How many of :func:`pairs` the model orders as measured (the faster scheme predicted
+    faster)."""
+    return sum((z.reported > p.reported) == (z.estimate().hfu > p.estimate().hfu)
+               for z, p in pairs())
+
+
 def pairs_table() -> str:
     """Per pair: each scheme's reported / predicted, and ZeRO-3's rate over PTD-P's as
     measured and as predicted; then how many pairs the model orders as measured."""
     rows = [f"{'model, GPUs (ZeRO-3 / PTD-P)':<30} {'ZeRO-3 r/p':>10} {'PTD-P r/p':>9} "
             f"{'ZeRO-3/PTD-P measured':>21} {'predicted':>9}"]
-    agree = 0
     for z, p in pairs():
         ez, ep = z.estimate(), p.estimate()
         measured, predicted = z.reported / p.reported, ez.hfu / ep.hfu
-        agree += (measured > 1) == (predicted > 1)
         label = f"{z.reported_params}B, {z.layout.world} / {p.layout.world}"
         rows.append(f"{label:<30} {z.ratio(ez):>10.2f} {p.ratio(ep):>9.2f} "
                     f"{measured:>21.2f} {predicted:>9.2f}")
     low, high = zero3_band()
-    rows.append(f"the model orders {agree} of {len(ZERO3_RUNS)} pairs as measured; ZeRO-3 "
+    rows.append(f"the model orders {ordered_as_measured()} of {len(ZERO3_RUNS)} pairs as "
+                f"measured; ZeRO-3 "
                 f"reported / predicted {low:.2f}-{high:.2f}")
     return "\n".join(rows)
 
@@ -123,8 +129,7 @@ def zero3_caution(est: Estimate) -> str:
     if est.zero != 3 or est.shard_group or est.links.get("dp") != "inter-node":
         return ""
     low, high = zero3_band()
-    agree = sum((z.reported > p.reported) == (z.estimate().hfu > p.estimate().hfu)
-                for z, p in pairs())
+    agree = ordered_as_measured()
     gpus = [run.layout.world for run in ZERO3_RUNS]
     return (f"ZeRO-3 across nodes is where the model is least sure: the published ZeRO-3 runs "
             f"of {min(gpus)}-{max(gpus)} A100s (Narayanan et al. 2021, Table 2) reached "
@@ -135,5 +140,6 @@ def zero3_caution(est: Estimate) -> str:
             f"{low * est.mfu:.0%}-{high * est.mfu:.0%} MFU.")
 
 
-__all__ = ["PTDP_ROWS", "PTDP_RUNS", "ZERO3_ROWS", "ZERO3_RUNS", "pairs", "pairs_table",
+__all__ = ["PTDP_ROWS", "PTDP_RUNS", "ZERO3_ROWS", "ZERO3_RUNS", "ordered_as_measured",
+           "pairs", "pairs_table",
            "ptdp_run", "zero3_band", "zero3_caution", "zero3_run"]

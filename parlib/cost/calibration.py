@@ -16,9 +16,9 @@ training step does are not in the ceilings:
   datasheet bandwidth those counted bytes move at.
 
 :func:`fit` finds both for one generation by least squares in log(reported / predicted) over
-every published row of that generation (:data:`~parlib.cost.published.RUNS` and
-:data:`~parlib.cost.foundry.FOUNDRY_RUNS`, llm-foundry's two MosaicML rows in ``RUNS`` left
-out so no row counts twice): one pair per generation, never per run or per table. The presets
+every published row of that generation (:func:`~parlib.cost.foundry.published_rows`:
+:data:`~parlib.cost.published.RUNS` and :data:`~parlib.cost.foundry.FOUNDRY_RUNS`, no row
+counted twice): one pair per generation, never per run or per table. The presets
 store the result (:data:`~parlib.cost.efficiency.ACHIEVABLE`); a test re-runs the fit.
 :func:`held_out_table` fits on one table and predicts the other, which says whether the pair
 describes the hardware and its software or only the table it came from.
@@ -38,8 +38,8 @@ from dataclasses import dataclass, replace
 
 from parlib.cost.efficiency import achievable
 from parlib.cost.estimate import estimate
-from parlib.cost.foundry import FOUNDRY_RUNS
-from parlib.cost.published import MOSAIC_RUNS, RUNS, TARGET_BAND, PublishedRun
+from parlib.cost.foundry import FOUNDRY_RUNS, published_rows
+from parlib.cost.published import TARGET_BAND, PublishedRun
 
 # The coarse grid, then a finer one around its best point.
 MATMUL_GRID = tuple(x / 100 for x in range(60, 101, 4))
@@ -57,17 +57,6 @@ class Fit:
     memory: float
     error: float
     rows: int
-
-
-def rows_of(generation: str) -> tuple[PublishedRun, ...]:
-    """Every published row on ``generation``: :data:`RUNS` (less llm-foundry's two, which
-    :data:`FOUNDRY_RUNS` holds too) and :data:`FOUNDRY_RUNS`."""
-    mosaic = {run.name for run in MOSAIC_RUNS}
-    rows = tuple(run for run in RUNS + FOUNDRY_RUNS
-                 if run.hardware.generation == generation and run.name not in mosaic)
-    if not rows:
-        raise ValueError(f"no published rows on generation {generation!r}")
-    return rows
 
 
 def ratio_at(run: PublishedRun, matmul: float, memory: float) -> float:
@@ -114,7 +103,7 @@ def held_out_table(generations: tuple[str, ...] = ("A100", "H100")) -> str:
     out = [f"{'generation':<10} {'fitted to':<16} {'matmul':>6} {'memory':>6}  "
            f"{'other published rows':<26} {'llm-foundry rows':<26}"]
     for gen in generations:
-        rows = rows_of(gen)
+        rows = published_rows(gen)
         foundry = tuple(r for r in rows if r in FOUNDRY_RUNS)
         others = tuple(r for r in rows if r not in FOUNDRY_RUNS)
         for label, chosen in (("every row", rows), ("llm-foundry", foundry),
@@ -130,4 +119,4 @@ def held_out_table(generations: tuple[str, ...] = ("A100", "H100")) -> str:
 
 
 __all__ = ["FINE_STEP", "MATMUL_GRID", "MEMORY_GRID", "Fit", "fit", "held_out_table",
-           "in_band", "ratio_at", "rows_of"]
+           "in_band", "ratio_at"]

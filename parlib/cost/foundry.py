@@ -178,30 +178,29 @@ def ratio_band(generation: str) -> tuple[float, float, float]:
     """(lowest, median, highest) reported / predicted over every published row on
     ``generation`` (:data:`~parlib.cost.published.RUNS` and :data:`FOUNDRY_RUNS`, llm-foundry's
     two MosaicML rows counted once): the model's error band on that generation."""
-    ratios = sorted(r.ratio() for r in _published_rows(generation))
-    if not ratios:
-        raise ValueError(f"no published rows on {generation!r}")
+    ratios = sorted(r.ratio() for r in published_rows(generation))
     mid = len(ratios) // 2
     median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
     return ratios[0], median, ratios[-1]
 
 
-def _published_rows(generation: str) -> list[PublishedRun]:
+def published_rows(generation: str) -> tuple[PublishedRun, ...]:
     """Every published row on ``generation`` (:data:`RUNS` and :data:`FOUNDRY_RUNS`,
-    llm-foundry's two MosaicML rows counted once): the rows the training shares are fitted
-    to."""
+    llm-foundry's two MosaicML rows in ``RUNS`` counted once): the rows the training shares
+    are fitted to (:mod:`parlib.cost.calibration`). A ValueError for a generation with none."""
     mosaic = {run.name for run in MOSAIC_RUNS}
-    return [r for r in RUNS + FOUNDRY_RUNS
-            if r.hardware.generation == generation and r.name not in mosaic]
+    rows = tuple(r for r in RUNS + FOUNDRY_RUNS
+                 if r.hardware.generation == generation and r.name not in mosaic)
+    if not rows:
+        raise ValueError(f"no published rows on {generation!r}")
+    return rows
 
 
 def most_matmul(generation: str) -> float:
     """The highest share of its step a published row on ``generation`` spends in matmuls
     (``compute``), as the model predicts it: how far the fitted shares were tested."""
-    rows = _published_rows(generation)
-    if not rows:
-        raise ValueError(f"no published rows on {generation!r}")
-    return max(e.time["compute"] / e.step_time for e in (r.estimate() for r in rows))
+    return max(e.time["compute"] / e.step_time
+               for e in (r.estimate() for r in published_rows(generation)))
 
 
 def against_published(mfu: float, generation: str, est: Estimate | None = None) -> str:
@@ -256,5 +255,5 @@ def foundry_table(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
 
 __all__ = ["A100_40GB_ROWS", "ABOVE_BEST", "FOUNDRY_RUNS", "H100_80GB_ROWS", "MPT_SHAPES",
            "TARGET_SHARE", "TARGET_TREND", "a100_40gb", "against_published", "best_published",
-           "ratio_band",
-           "foundry_run", "foundry_table", "in_band_share", "most_matmul", "mpt", "trends"]
+           "foundry_run", "foundry_table", "in_band_share", "most_matmul", "mpt",
+           "published_rows", "ratio_band", "trends"]

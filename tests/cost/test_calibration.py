@@ -6,16 +6,16 @@ import dataclasses
 import pytest
 
 from parlib.cost import Hardware, Layout, Model, estimate
-from parlib.cost.calibration import fit, held_out_table, in_band, ratio_at, rows_of
+from parlib.cost.calibration import fit, held_out_table, in_band, ratio_at
 from parlib.cost.efficiency import A100_TRAINING, ACHIEVABLE, H100_TRAINING
-from parlib.cost.foundry import FOUNDRY_RUNS
+from parlib.cost.foundry import FOUNDRY_RUNS, published_rows
 from parlib.cost.published import MOSAIC_RUNS, RUNS, PublishedRun
 
 
 @pytest.mark.parametrize("generation, stored", [("A100", A100_TRAINING),
                                                 ("H100", H100_TRAINING)])
 def test_the_presets_hold_what_the_fit_finds(generation, stored):
-    found = fit(rows_of(generation), generation)
+    found = fit(published_rows(generation), generation)
     print(f"\n{found}")
     assert (found.matmul, found.memory) == stored
     row = ACHIEVABLE[generation]
@@ -24,16 +24,16 @@ def test_the_presets_hold_what_the_fit_finds(generation, stored):
 
 
 def test_rows_count_once_and_stay_on_their_generation():
-    rows = rows_of("H100")
+    rows = published_rows("H100")
     # llm-foundry's 20 H100 rows and Llama 3's three; the two MosaicML rows of RUNS are
     # llm-foundry's own (MPT 7B on 8, 30B on 32), counted once
     assert len(rows) == 20 + 3 and len(MOSAIC_RUNS) == 2
     assert not {r.name for r in MOSAIC_RUNS} & {r.name for r in rows}
     assert all(r.hardware.generation == "H100" for r in rows)
-    assert len(rows_of("A100")) == sum(r.hardware.generation == "A100"
+    assert len(published_rows("A100")) == sum(r.hardware.generation == "A100"
                                        for r in RUNS + FOUNDRY_RUNS) == 50
     with pytest.raises(ValueError, match="no published rows"):
-        rows_of("TPU")
+        published_rows("TPU")
 
 
 def _one_device_run(reported: float) -> PublishedRun:
@@ -79,8 +79,8 @@ def test_the_fit_recovers_fractions_it_was_given():
 def test_a_fraction_fitted_on_one_table_predicts_the_other_on_a100s():
     table = held_out_table(("A100",))
     print("\n" + table)
-    foundry = tuple(r for r in rows_of("A100") if r in FOUNDRY_RUNS)
-    others = tuple(r for r in rows_of("A100") if r not in FOUNDRY_RUNS)
+    foundry = tuple(r for r in published_rows("A100") if r in FOUNDRY_RUNS)
+    others = tuple(r for r in published_rows("A100") if r not in FOUNDRY_RUNS)
     from_foundry = fit(foundry, "A100")
     assert in_band(others, from_foundry.matmul, from_foundry.memory)[0] >= len(others) - 1
     from_others = fit(others, "A100")
@@ -92,7 +92,7 @@ def test_on_h100s_neither_table_predicts_the_other():
     # what the choosing chapter and the README say: fitted to llm-foundry's H100 rows alone,
     # the shares put none of Llama 3's three runs in the band; fitted to those three, none of
     # llm-foundry's twenty
-    rows = rows_of("H100")
+    rows = published_rows("H100")
     foundry = tuple(r for r in rows if r in FOUNDRY_RUNS)
     llama = tuple(r for r in rows if r not in FOUNDRY_RUNS)
     assert (len(foundry), len(llama)) == (20, 3)
