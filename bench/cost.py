@@ -21,6 +21,11 @@ Sections, each a function printing one table:
 - ``calibration``: each generation's two training shares (matmuls of MAMF, memory-bound work
   of the datasheet bandwidth) fitted to every published row, to llm-foundry's alone and to the
   others alone, and how each fit predicts both sets (``parlib.cost.calibration``).
+- ``network``: the share of the inter-node rate each run that can tell implies (ZeRO-3 alone
+  across nodes, sync at least a third of compute); at each of 1, 1/2, 1/4, 1/8 of the rate,
+  how many llm-foundry and Table 2 rows stay in the band and how many Table 2 pairs are
+  ordered as measured; and each generation's fit error at those shares
+  (``parlib.cost.calibration.network_table``, ``network_fit``).
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
   measured here and emulated devices, then run with the combining chapter's code:
   measured / predicted per layout, with the measured link and with an emulated slow one
@@ -201,6 +206,17 @@ def calibration_section(args: argparse.Namespace) -> None:
     print(held_out_table())
 
 
+def network_section(args: argparse.Namespace) -> None:
+    from parlib.cost.calibration import network_fit, network_table
+    print("\nthe network each run implies, and whether one rate fits every table "
+          "(sources: parlib/cost/calibration.py)\n")
+    print(network_table())
+    print(f"\n{'generation':<10} {'share':>6} {'matmul':>6} {'memory':>6} {'fit error':>9}")
+    for gen in ("A100", "H100"):
+        for share, f in network_fit(gen).items():
+            print(f"{gen:<10} {share:>6.3g} {f.matmul:>6.2f} {f.memory:>6.2f} {f.error:>9.3f}")
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "plan": plan_section,
     "published": published_section,
@@ -208,6 +224,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "ranking": ranking_section,
     "avoided": avoided_section,
     "calibration": calibration_section,
+    "network": network_section,
     "layouts": layouts_section,
 }
 

@@ -33,7 +33,8 @@ Built on them, the choosing chapter's cost model:
   count, held against the model the same way.
 - :mod:`parlib.cost.calibration`: the two training shares of each generation (matmuls of the
   best measured matmul, memory-bound work of the bandwidth), fitted to every published run
-  of it, and each table held against a fit to the other.
+  of it, and each table held against a fit to the other; and the network's rate each run
+  implies, with every table held at a few slower rates (no one rate fits them all).
 - :mod:`parlib.cost.avoided`: a layout experts avoid (ZeRO-3 alone on hundreds of GPUs)
   measured beside the one they chose, held against the model.
 - :mod:`parlib.cost.sweeps`: published layout sweeps, the model's order against the measured.
