@@ -35,6 +35,8 @@ Built on them, the choosing chapter's cost model:
   best measured matmul, memory-bound work of the bandwidth), fitted to every published run
   of it, and each table held against a fit to the other; and the network's rate each run
   implies, with every table held at a few slower rates (no one rate fits them all).
+- :mod:`parlib.cost.held_out`: published rows no fit has seen (torchtitan's Llama 2 runs),
+  their rates and whether each layout fits, beside a layout that ran out of memory.
 - :mod:`parlib.cost.avoided`: a layout experts avoid (ZeRO-3 alone on hundreds of GPUs)
   measured beside the one they chose, held against the model.
 - :mod:`parlib.cost.sweeps`: published layout sweeps, the model's order against the measured.

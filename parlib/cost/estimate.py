@@ -139,6 +139,8 @@ from parlib.cost.stages import rank_layers
 from parlib.cost.tensor import ALL_REDUCES_PER_LAYER, tp_message_bytes, tp_sent_bytes_per_layer
 
 RECOMPUTE = (False, "selective", True)  # True means full recomputation
+# what estimate also takes: torchtitan's per-operation policy (the planner does not search it)
+OP_POLICY = "op"
 ZERO3_WITH_PIPELINE = (
     "ZeRO-3 with a pipeline (p = {p}) is refused: each stage would re-gather its weights "
     "for every microbatch's forward and backward, on the links the pipeline uses too "
@@ -264,7 +266,8 @@ class Estimate:
                 f"{self.time[part] / self.step_time:.0%} {part}")
 
     def __str__(self) -> str:
-        rc = {False: "", "selective": ", selective recompute", True: ", full recompute"}
+        rc = {False: "", "selective": ", selective recompute", True: ", full recompute",
+              OP_POLICY: ", per-op recompute"}
         zero = f", {self.sharding}" if self.zero else ""
         return (f"{self.name} m={self.m}{zero}{rc[self.recompute]}: "
                 f"{self.memory_total / GB:.1f} GB, step {self.step_time:.3g} s, "
@@ -282,9 +285,12 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     one): m microbatches per step per data-parallel rank, ``global_batch`` sequences per
     step, v model chunks per pipeline rank (v > 1: the interleaved schedule).
 
-    ``recompute``: False, "selective" (attention scores recomputed, as FlashAttention) or
-    True (full). ``mixed_precision``: bf16 activations and messages with fp32 Adam state
-    (16 bytes per parameter); False is fp32 throughout, as the course's CPU runs.
+    ``recompute``: False, "selective" (attention scores recomputed, as FlashAttention),
+    True (full) or "op" (torchtitan's per-operation policy: every other matmul's output and
+    attention's kept, the rest rerun, :func:`~parlib.cost.memory.activation_bytes_per_layer`;
+    dense models with ``fused_attention=True`` only). ``mixed_precision``: bf16 activations
+    and messages with fp32 Adam state (16 bytes per parameter); False is fp32 throughout,
+    as the course's CPU runs.
     ``dp_overlap=False``: the gradient sync starts after the whole backward (nothing
     hidden), as the combining chapter's ``train_step_3d`` does.
     ``replicated_head=True``: the embedding and the output layer are not split by tensor
@@ -294,9 +300,8 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     (fill and drain through the other stages) is charged at the other stages' mean compute.
     The default spreads the output layer's FLOPs evenly over the devices (a
     vocabulary-parallel head) and splits its weights t ways.
-    ``extra_recompute_flops_per_token``: forward FLOPs per token that a per-operation
-    checkpointing policy reruns in the backward beyond what ``recompute`` names (e.g.
-    torchtitan's "op" policy, which does not save every second matmul's output); they are
+    ``extra_recompute_flops_per_token``: forward FLOPs per token that another per-operation
+    checkpointing policy reruns in the backward beyond what ``recompute`` names; they are
     charged as layer compute and counted in HFU, and the memory stays ``recompute``'s (an
     upper bound for such a policy).
     ``grad_reduce_bytes``: bytes per gradient element the data-parallel sync sends (None:
@@ -318,8 +323,12 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero!r}")
     if zero == 3 and layout.pp > 1:
         raise ValueError(ZERO3_WITH_PIPELINE.format(p=layout.pp))
-    if not any(recompute is r for r in RECOMPUTE):
-        raise ValueError(f"recompute must be False, 'selective' or True, got {recompute!r}")
+    if not (any(recompute is r for r in RECOMPUTE) or recompute == OP_POLICY):
+        raise ValueError(f"recompute must be False, 'selective', True or 'op', got "
+                         f"{recompute!r}")
+    if recompute == OP_POLICY and (model.is_moe or fused_attention is not True):
+        raise ValueError("recompute='op' is torchtitan's policy for dense layers with a fused "
+                         "attention kernel: pass fused_attention=True (and a dense model)")
     extra = extra_recompute_flops_per_token
     if isinstance(extra, bool) or not isinstance(extra, (int, float)) or not extra >= 0:
         raise ValueError(f"extra_recompute_flops_per_token must be a number >= 0, got "
@@ -604,7 +613,8 @@ def _activations(step: _Step) -> tuple[float, float, float]:
     """Bytes of one layer's stored activations, of the layer being recomputed (full
     recomputation) and of the logits, for one microbatch on one device."""
     model, t, c = step.model, step.layout.tp, step.layout.cp
-    mode = {False: "none", "selective": "selective", True: "full"}[step.recompute]
+    mode = {False: "none", "selective": "selective", True: "full",
+            OP_POLICY: OP_POLICY}[step.recompute]
     if not step.scores_stored and mode == "none":
         mode = "selective"  # fused or blockwise attention stores no scores
     shape = dict(t=t, sequence_parallel=step.split_sequence, dtype_bytes=step.act_bytes,
@@ -612,12 +622,15 @@ def _activations(step: _Step) -> tuple[float, float, float]:
                  kv_dim=model.kv_dim, gated_mlp=model.gated_mlp)
     args = (step.s_local, step.b, model.d_model, model.n_heads)
     per_layer = activation_bytes_per_layer(*args, recompute=mode, **shape)
-    if c > 1 and not step.full:
+    if c > 1 and not step.full and step.recompute != OP_POLICY:  # "op" counts its own
         per_layer += model.n_heads / t * step.s_local * step.b * LSE_BYTES
     working = 0.0
+    whole = activation_bytes_per_layer(
+        *args, **shape, **({} if step.scores_stored else {"recompute": "selective"}))
     if step.full:  # the layer being recomputed holds its whole activations during backward
-        working = activation_bytes_per_layer(
-            *args, **shape, **({} if step.scores_stored else {"recompute": "selective"}))
+        working = whole
+    elif step.recompute == OP_POLICY:  # ... and under "op" what it reruns beside what it kept
+        working = max(0.0, whole - per_layer)
     logits = logits_bytes(step.s_local, step.b, model.vocab_size, t=t,
                           dtype_bytes=step.act_bytes)
     return per_layer, working, logits
@@ -654,7 +667,9 @@ def _flops(step: _Step, extra_recompute_flops_per_token: float) -> tuple[float, 
     model, tokens = step.model, step.global_batch * step.model.seq_len
     model_flops = model.flops_per_token * tokens
     extra = {False: 0, "selective": model.attention_flops_per_token,
-             True: model.layers_forward_flops_per_token}[step.recompute]
+             True: model.layers_forward_flops_per_token}.get(step.recompute, 0)
+    if step.recompute == OP_POLICY:
+        extra = model.op_policy_flops_per_token
     hardware_flops = model_flops + (extra + extra_recompute_flops_per_token) * tokens
     capacity = model.capacity_factor if model.is_moe and model.capacity_factor else 1.0
     if capacity != 1.0:  # experts compute their padded buffers (or skip the dropped tokens)
@@ -698,7 +713,8 @@ def _memory_bound(step: _Step) -> float:
         sequence_parallel=step.split_sequence, dtype_bytes=step.act_bytes,
         ffn_dim=model.activation_ffn_dim, gated_mlp=model.gated_mlp, dropout=model.dropout,
         scores_stored=step.scores_stored)
-    forwards = 1 + (1 if step.full else 0)
+    # full recomputation and the per-operation policy rerun every memory-bound op
+    forwards = 1 + (1 if step.full or step.recompute == OP_POLICY else 0)
     tokens = step.global_batch * model.seq_len
     loss = (tokens * loss_bytes_per_token(model.vocab_size, dtype_bytes=step.act_bytes)
             / step.hardware.n_devices)
@@ -1058,6 +1074,6 @@ def _where(hardware: Hardware, span: int, degree: int) -> str:
     return "intra-node" if hardware.in_one_node(span) else "inter-node"
 
 
-__all__ = ["BUCKET_ELEMENTS", "BUCKET_ELEMENTS_PER_RANK", "MEMORY_PARTS", "RECOMPUTE",
-           "STEP_PARTS", "ZERO3_WITH_PIPELINE", "Estimate", "bucket_elements", "check_layout",
-           "check_hsdp", "estimate", "hsdp_collectives", "sync_collectives"]
+__all__ = ["BUCKET_ELEMENTS", "BUCKET_ELEMENTS_PER_RANK", "MEMORY_PARTS", "OP_POLICY",
+           "RECOMPUTE", "STEP_PARTS", "ZERO3_WITH_PIPELINE", "Estimate", "bucket_elements",
+           "check_layout", "check_hsdp", "estimate", "hsdp_collectives", "sync_collectives"]

@@ -84,7 +84,9 @@ def model_state_formula(zero_stage: int, mixed_precision: bool = False,
 # Activations: what a transformer layer keeps for its backward pass. Korthikanti et al. 2022,
 # "Reducing Activation Recomputation in Large Transformer Models", Sec. 4 (Table 2).
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "selective", "full", "op")
+# A fused attention kernel keeps, for its backward, one fp32 log-sum-exp per head and position.
+LSE_BYTES_PER_HEAD = 4
 
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_heads: int, *,
@@ -109,6 +111,13 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_h
     ``recompute``: "selective" recomputes the scores in backward (they are not stored; this
     is also what FlashAttention does), "full" stores only the layer input, 2*s*b*h bytes at
     16 bit (/ t with sequence parallelism), and reruns the layer's forward in backward.
+    "op" is torchtitan's per-operation policy on a layer of separate Q, K, V and output
+    matrices with a fused attention kernel: it keeps the layer's input, attention's output
+    and its log-sum-exp (4 bytes per head), and the output of every other matmul in forward
+    order (Q, V, the MLP's first matrix and, gated, its last), and reruns the rest (the other
+    matmuls and every memory-bound op) in backward: per token h + (with a gated MLP) h, not
+    split by tensor parallelism, and 2h + kv + f split t ways; no scores (the fused kernel
+    never stores them).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
@@ -121,6 +130,10 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_h
     seq_split = t if sequence_parallel else 1
     if recompute == "full":
         return s * b * h * dtype_bytes / seq_split
+    if recompute == "op":
+        kept_whole = s * b * h * (2 if gated_mlp else 1) * dtype_bytes
+        kept_split = s * b * ((2 * h + kv + f) * dtype_bytes + a * LSE_BYTES_PER_HEAD)
+        return kept_whole / seq_split + kept_split / t
     replicated = s * b * h * (4 * dtype_bytes + 2 * mask)
     split = s * b * (2 * h + 2 * kv + (3 if gated_mlp else 2) * f) * dtype_bytes
     scores = 0 if recompute == "selective" else a * s * s * b * (
@@ -225,7 +238,7 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
     and the logits the loss keeps: 16-bit logits also keep the fp32 copy of
     :func:`logits_bytes`; fp32 logits are that copy. The norms' statistics (two values per
     row and position) are not counted: they are the gap a measurement shows."""
-    modes = (*RECOMPUTE_MODES, "attention")
+    modes = tuple(m for m in RECOMPUTE_MODES if m != "op") + ("attention",)
     if recompute not in modes:
         raise ValueError(f"recompute must be one of {modes}, got {recompute!r}")
     layer = activation_bytes_per_layer(seq_len, micro_batch, d_model, n_heads,
@@ -239,7 +252,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
     return n_layers * layer + final_norm + logits
 
 
-__all__ = ["MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES", "activation_bytes_per_layer",
+__all__ = ["LSE_BYTES_PER_HEAD", "MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES",
+           "activation_bytes_per_layer",
            "memory_bound_bytes_per_layer", "gradient_cast_bytes_per_param",
            "adam_bytes_per_param", "logits_bytes",
            "loss_bytes_per_token", "optimizer_step_bytes_per_param",

@@ -267,54 +267,57 @@ OPT_RUN = PublishedRun(
 # reduce-scattered in fp32 (grad_reduce_bytes=4); and the "op" selective checkpointing policy
 # saves the outputs of the matmuls and of attention "except every second mm", counted per
 # layer in forward order (wq, wk, wv, wo, w1, w3, w2): wk, wo and w3 are recomputed in the
-# backward (:func:`torchtitan_op_policy_flops_per_token`).
-_TORCHTITAN = "torchtitan docs/performance.md (commit 0413364), Llama 3 on 64 A100 (FSDP2)"
+# backward (``recompute="op"``: :attr:`Model.op_policy_flops_per_token`, and its memory
+# :func:`~parlib.cost.memory.activation_bytes_per_layer`).
+_TORCHTITAN = "torchtitan docs/performance.md (commit 0413364), FSDP2 on 64 A100"
 _TORCHTITAN_UNKNOWN = ("the cluster's network and whether its A100 nodes are DGX-like; what "
                        "torchtitan's attention and norm kernels cost beside the matmuls")
 
 
-def torchtitan_op_policy_flops_per_token(model: Model) -> int:
-    """Forward FLOPs per token that torchtitan's "op" checkpointing policy (at commit
-    0413364) reruns in the backward: it saves every other matmul's output, so of a Llama
-    layer's seven (wq, wk, wv, wo, w1, w3, w2) the second, fourth and sixth are recomputed:
-    2 x (h x kv + h x h + h x f) per layer per token. Llama 3 8B: 2 x 4096 x (1024 + 4096
-    + 14336) = 159.4 M per layer, 5.10 G over its 32 layers."""
-    if not (model.gated_mlp and not model.is_moe):
-        raise ValueError(f"{model.name}: the policy's count is for a dense gated (Llama) MLP")
-    h = model.d_model
-    return model.n_layers * 2 * (h * model.kv_dim + h * h + h * model.ffn_dim)
+def llama(family: str, size: str) -> Model:
+    """Meta's Llama 2 and Llama 3 shapes as torchtitan trained them: Llama 3 8B (32 layers,
+    4096, 32 heads, 8 KV heads, FFN 14,336) and 70B (80, 8192, 64, 8, 28,672), vocabulary
+    128,256, sequence 8192; Llama 2 13B (40, 5120, 40 heads, no grouped KV, 13,824) and 70B
+    (80, 8192, 64, 8, 28,672), vocabulary 32,000, sequence 4096."""
+    shapes = {("Llama 3", "8B"): (32, 4096, 32, 8, 14336),
+              ("Llama 3", "70B"): (80, 8192, 64, 8, 28672),
+              ("Llama 2", "13B"): (40, 5120, 40, 40, 13824),
+              ("Llama 2", "70B"): (80, 8192, 64, 8, 28672)}
+    if (family, size) not in shapes:
+        raise ValueError(f"no {family} {size} shape here; known: {sorted(shapes)}")
+    layers, hidden, heads, kv_heads, ffn = shapes[family, size]
+    seq, vocab = (8192, 128256) if family == "Llama 3" else (4096, 32000)
+    return Model(layers, hidden, heads, seq, vocab, ffn_dim=ffn, n_kv_heads=kv_heads,
+                 gated_mlp=True, bias=False, learned_positions=False,
+                 name=f"{family} {size}")
 
 
-def _titan_row(size: str, layers: int, hidden: int, heads: int, ffn: int, recompute: bool | str,
-               checkpointing: str, wps: int, mfu: float) -> PublishedRun:
-    model = Model(layers, hidden, heads, 8192, 128256, ffn_dim=ffn, n_kv_heads=8,
-                  gated_mlp=True, bias=False, learned_positions=False, name=f"Llama 3 {size}")
+def torchtitan_run(model: Model, batch: int, recompute: bool | str, checkpointing: str,
+                   wps: int, mfu: float, name: str = "") -> PublishedRun:
+    """One row of torchtitan's 64-A100 table: FSDP2 over every GPU, local batch ``batch``,
+    its checkpointing as ``recompute``; ``wps`` tokens/s per GPU, ``mfu`` as torchtitan
+    counted it (6 x all parameters)."""
     hardware = Hardware.dgx_a100(64)
     # torchtitan's MFU (at that commit) counts 6 x all parameters, the embedding's included,
     # which multiply nothing; the same WPS with our FLOPs per token is the comparable figure.
     ours = wps * model.flops_per_token / hardware.peak_flops
     # torchtitan's attention is scaled_dot_product_attention's fused (Flash) kernel
-    settings = dict(m=1, global_batch=64, zero=3, recompute=recompute, grad_reduce_bytes=4,
-                    fused_attention=True)
-    policy = f"{checkpointing} checkpointing as recompute={recompute!r}"
-    if checkpointing == "selective op":
-        settings["extra_recompute_flops_per_token"] = torchtitan_op_policy_flops_per_token(model)
-        policy += (" plus the policy's recomputed wk, wo and w3 matmuls (memory counted as "
-                   "'selective': an upper bound)")
+    settings = dict(m=1, global_batch=64 * batch, zero=3, recompute=recompute,
+                    grad_reduce_bytes=4, fused_attention=True)
     return PublishedRun(
-        name=f"Llama 3 {size}, 64 A100 FSDP",
-        source=(f"{_TORCHTITAN}: {size}, batch 1, {checkpointing} AC, {wps} WPS, {mfu}% MFU "
-                f"as torchtitan counts it ({ours:.1%} with our FLOPs per token)"),
+        name=name or f"{model.name}, 64 A100 FSDP",
+        source=(f"{_TORCHTITAN}: {model.name}, batch {batch}, {checkpointing} AC, {wps} WPS, "
+                f"{mfu}% MFU as torchtitan counts it ({ours:.1%} with our FLOPs per token)"),
         model=model,
         hardware=hardware,
         layout=Layout(dp=64),
         settings=settings,
         metric="mfu", reported=ours, reported_tflops_per_device=None,
         reported_tokens_per_second_per_device=wps,
-        assumed=(f"sequence 8192; FSDP2 as ZeRO-3, gradients reduce-scattered in fp32 (the "
-                 f"code's reduce_dtype); {policy}; DGX A100 nodes; MFU recomputed from WPS "
-                 f"with our FLOP count (torchtitan's {mfu}% counts the embedding's "
-                 f"parameters)"),
+        assumed=(f"sequence {model.seq_len}; FSDP2 as ZeRO-3, gradients reduce-scattered in "
+                 f"fp32 (the code's reduce_dtype); {checkpointing} checkpointing as "
+                 f"recompute={recompute!r}; DGX A100 nodes; MFU recomputed from WPS with our "
+                 f"FLOP count (torchtitan's {mfu}% counts the embedding's parameters)"),
         cannot_know=_TORCHTITAN_UNKNOWN)
 
 
@@ -376,8 +379,8 @@ LLAMA_RUNS = (
     _llama_row(16384, 16, 8, 131072, 16, 380, 38),
 )
 TORCHTITAN_RUNS = (
-    _titan_row("8B", 32, 4096, 32, 14336, "selective", "selective op", 2973, 58.2),
-    _titan_row("70B", 80, 8192, 64, 28672, True, "full", 331, 51.7),
+    torchtitan_run(llama("Llama 3", "8B"), 1, "op", "selective op", 2973, 58.2),
+    torchtitan_run(llama("Llama 3", "70B"), 1, True, "full", 331, 51.7),
 )
 # Megatron-LM's and Llama 3's rows first.
 MOSAIC_RUNS = (
@@ -424,5 +427,5 @@ def caveats_table(runs: tuple[PublishedRun, ...] = RUNS) -> str:
 
 __all__ = ["BLOOM_RUN", "JEAN_ZAY_A100", "KORTHIKANTI_RUNS", "LLAMA_CHUNKS", "LLAMA_RUNS",
            "MEGATRON_RUNS", "MOSAIC_RUNS", "OPT_RUN", "RUNS", "TARGET_BAND", "TORCHTITAN_RUNS",
-           "PublishedRun", "agreement", "caveats_table", "comparison_table",
-           "torchtitan_op_policy_flops_per_token"]
+           "PublishedRun", "agreement", "caveats_table", "comparison_table", "llama",
+           "torchtitan_run"]

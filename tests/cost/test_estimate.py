@@ -292,7 +292,9 @@ def test_wrong_kinds_of_model_and_hardware_are_named():
     (dict(tp=2, pp=2, dp=4, zero=3), r"ZeRO-3 with a pipeline \(p = 2\) is refused"),
     (dict(global_batch=60), r"global_batch = 60 is not divisible by d x m = 2 x 8 = 16"),
     (dict(zero=4), r"zero must be 0, 1, 2 or 3"),
-    (dict(recompute="yes"), r"recompute must be False, 'selective' or True"),
+    (dict(recompute="yes"), r"recompute must be False, 'selective', True or 'op'"),
+    (dict(recompute="op"), r"recompute='op' is torchtitan's policy .* pass fused_attention=True"),
+    (dict(recompute="op", fused_attention=True), None),
     (dict(v=2), r"v = 2 model chunks per rank need a pipeline"),
     (dict(tp=2, pp=4, v=3, m=4, global_batch=16), None),  # 12 chunks of 3 or 2 layers
     (dict(tp=2, pp=4, v=2, m=2), r"needs m a multiple of p"),

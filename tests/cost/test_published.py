@@ -48,7 +48,6 @@ from parlib.cost.published import (
     agreement,
     caveats_table,
     comparison_table,
-    torchtitan_op_policy_flops_per_token,
 )
 
 # What the model reaches today (see the module docstring); raise it when the model improves.
@@ -169,20 +168,20 @@ def test_torchtitan_rows_run_as_their_code_did():
     eight, seventy = TORCHTITAN_RUNS
     # Llama 3 8B, the "op" policy: wk (h x kv), wo (h x h) and w3 (h x f) rerun, per layer
     # 2 x 4096 x (1024 + 4096 + 14336) = 159,383,552 FLOPs a token; 32 layers
-    assert torchtitan_op_policy_flops_per_token(eight.model) == 32 * 159_383_552
-    assert eight.settings["extra_recompute_flops_per_token"] == 5_100_273_664
-    assert "extra_recompute_flops_per_token" not in seventy.settings  # full checkpointing
+    assert eight.model.op_policy_flops_per_token == 32 * 159_383_552 == 5_100_273_664
+    assert eight.settings["recompute"] == "op" and seventy.settings["recompute"] is True
     # FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.float32): 4 bytes per gradient
     assert eight.settings["grad_reduce_bytes"] == seventy.settings["grad_reduce_bytes"] == 4
     est = eight.estimate()
     plain = estimate(eight.model, eight.hardware, eight.layout, m=1, global_batch=64, zero=3,
-                     recompute="selective")
-    # the recomputed matmuls are hardware FLOPs (HFU), not model FLOPs (MFU)
+                     fused_attention=True)
+    # the recomputed matmuls are hardware FLOPs (HFU), not model FLOPs (MFU); attention's
+    # output is kept, so attention is not rerun
     assert est.model_flops == plain.model_flops
     tokens = 64 * 8192
     assert est.hardware_flops == pytest.approx(plain.hardware_flops + 5_100_273_664 * tokens)
     # fp32 gradients double the reduce-scatter; its bytes are a third of the sync in bf16
     assert est.bytes_sent["dp"] == pytest.approx(plain.bytes_sent["dp"] * 4 / 3)
     assert est.time["dp_sync_total"] > plain.time["dp_sync_total"]
-    with pytest.raises(ValueError, match="dense gated"):
-        torchtitan_op_policy_flops_per_token(RUNS[0].model)
+    with pytest.raises(ValueError, match="dense layers only"):
+        _ = dataclasses.replace(RUNS[0].model, n_experts=8, top_k=2).op_policy_flops_per_token

@@ -70,7 +70,8 @@ def test_cost_script_defaults_are_the_experiments_constants():
     assert ap_defaults["slowdown"] == L.SLOWDOWN
     assert ap_defaults["flops_per_byte"] == L.SLOW_LINK_FLOPS_PER_BYTE
     assert set(ap_defaults["sections"]) == {"plan", "published", "foundry", "ranking",
-                                            "avoided", "calibration", "network", "layouts"}
+                                            "avoided", "calibration", "heldout", "network",
+                                            "layouts"}
     assert ap_defaults["link"] == "paced"
 
 
