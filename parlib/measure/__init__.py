@@ -12,7 +12,8 @@
 - :mod:`~parlib.measure.traffic`: :func:`axis_traffic` counts and times the calls on each
   parallelism axis' group (spans of kind "tp", "dp", ...).
 - :mod:`~parlib.measure.memory`: bytes of parameters, gradients, optimizer state and saved
-  activations (:class:`SavedActivations`, :func:`memory_breakdown`).
+  activations (:class:`SavedActivations`, :func:`memory_breakdown`), and what a forward
+  leaves alive whoever holds it (:class:`KeptAllocations`).
 - :mod:`~parlib.measure.timeline`: spans per rank (:class:`Recorder`) and their analysis;
   :mod:`~parlib.measure.trace` writes them as a Chrome/Perfetto trace
   (:func:`save_chrome_trace`), the format ``torch.profiler`` exports.
@@ -39,7 +40,8 @@ _WHERE = {
     "LINE_WIDTH": "tables",
     "Timing": "timing", "sync": "timing", "time_it": "timing",
     "CommLog": "comm_log", "CommRecord": "comm_log",
-    "GatheredWeights": "memory", "MemoryReport": "memory", "SavedActivations": "memory",
+    "GatheredWeights": "memory", "KeptAllocations": "memory", "MemoryReport": "memory",
+    "SavedActivations": "memory",
     "grad_bytes": "memory",
     "memory_breakdown": "memory", "optimizer_state_bytes": "memory", "param_bytes": "memory",
     "tensor_bytes": "memory",

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -159,6 +162,51 @@ class GatheredWeights:
         self._handle.remove()
 
 
+class KeptAllocations(TorchDispatchMode):
+    """Bytes of the storages made inside ``with KeptAllocations() as kept`` that are still
+    alive when the block ends (``kept.nbytes``): what a forward leaves for its backward
+    whoever holds it, autograd's saved tensors or a checkpoint's cache of the outputs it
+    chose to keep (which :class:`SavedActivations`' hooks do not see), plus what the block
+    returns. Each storage counts once; one made before the block is never counted, nor a
+    view of it. For example::
+
+        import torch
+        from parlib.measure import KeptAllocations
+
+        x = torch.randn(8, 64)
+        w = torch.randn(64, 32, requires_grad=True)
+        with KeptAllocations() as kept:
+            out = torch.relu(x @ w)  # x @ w is freed; relu keeps its output for backward
+        print(kept.nbytes)  # 1024: out's 8 x 32 floats
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._made: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        # a view of an argument (a weight's transpose, a reshape) allocates nothing
+        given = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                 if isinstance(a, torch.Tensor) and a.device.type != "meta"}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                seen = self._made.get(ptr)
+                # a freed storage's address can be handed out again: the new one counts
+                if ptr not in given and (seen is None or seen[0].expired()):
+                    self._made[ptr] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = super().__exit__(*exc)
+        self.nbytes = sum(size for ref, size in self._made.values() if not ref.expired())
+        return result
+
+
 @dataclass
 class MemoryReport:
     """Bytes one rank holds, by kind. ``cuda_peak`` is ``torch.cuda.max_memory_allocated``
@@ -229,6 +277,7 @@ def memory_breakdown(
 
 __all__ = [
     "GatheredWeights",
+    "KeptAllocations",
     "MemoryReport",
     "SavedActivations",
     "grad_bytes",
