@@ -147,7 +147,14 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
                  dtype_bytes: int = 2) -> float:
     """Bytes of the output layer's logits for one microbatch on one of t ranks (vocabulary
     split t ways): the (b, s, V) logits in the activation dtype plus the fp32 copy the
-    cross-entropy keeps. Large for big vocabularies: 8192 x 128000 x 6 bytes is 6.3 GB."""
+    cross-entropy keeps. Large for big vocabularies: 8192 x 128000 x 6 bytes is 6.3 GB.
+
+    This is what an unfused cross-entropy's forward leaves. Its backward holds twice as much
+    for a moment (the fp32 log-probabilities, their gradient and the fp32 logits' gradient,
+    12 bytes a logit; both measured with :class:`parlib.measure.KeptAllocations`), while a
+    fused loss keeps less; the estimate counts this forward's share, since llm-foundry's runs
+    that ran (MPT's ``loss_fn`` defaults to ``fused_crossentropy``, flash-attn's fused loss:
+    llm-foundry's llmfoundry/models/mpt/modeling_mpt.py) would not fit at 12 bytes a logit."""
     return seq_len * micro_batch * vocab_size * (dtype_bytes + 4) / t
 
 

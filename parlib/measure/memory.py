@@ -163,12 +163,13 @@ class GatheredWeights:
 
 
 class KeptAllocations(TorchDispatchMode):
-    """Bytes of the storages made inside ``with KeptAllocations() as kept`` that are still
-    alive when the block ends (``kept.nbytes``): what a forward leaves for its backward
-    whoever holds it, autograd's saved tensors or a checkpoint's cache of the outputs it
-    chose to keep (which :class:`SavedActivations`' hooks do not see), plus what the block
-    returns. Each storage counts once; one made before the block is never counted, nor a
-    view of it. For example::
+    """Bytes of the storages made inside ``with KeptAllocations() as kept``: ``kept.nbytes``,
+    those still alive when the block ends (what a forward leaves for its backward, whoever
+    holds it: autograd's saved tensors or a checkpoint's cache of the outputs it chose to
+    keep, which :class:`SavedActivations`' hooks do not see, plus what the block returns);
+    ``kept.peak``, the most alive at once inside it (looked at after every operation). Each
+    storage counts once; one made before the block is never counted, nor a view of it. For
+    example::
 
         import torch
         from parlib.measure import KeptAllocations
@@ -177,13 +178,20 @@ class KeptAllocations(TorchDispatchMode):
         w = torch.randn(64, 32, requires_grad=True)
         with KeptAllocations() as kept:
             out = torch.relu(x @ w)  # x @ w is freed; relu keeps its output for backward
-        print(kept.nbytes)  # 1024: out's 8 x 32 floats
+        print(kept.nbytes, kept.peak)  # 1024 2048: out, and x @ w beside it for a moment
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._made: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.nbytes = 0
+        self.nbytes = self.peak = 0
+
+    def _alive(self) -> int:
+        """Bytes made here and alive now (what has died is forgotten)."""
+        dead = [ptr for ptr, (ref, _) in self._made.items() if ref.expired()]
+        for ptr in dead:
+            del self._made[ptr]
+        return sum(size for _, size in self._made.values())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -199,11 +207,12 @@ class KeptAllocations(TorchDispatchMode):
                 # a freed storage's address can be handed out again: the new one counts
                 if ptr not in given and (seen is None or seen[0].expired()):
                     self._made[ptr] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self._alive())
         return out
 
     def __exit__(self, *exc: Any) -> Any:
         result = super().__exit__(*exc)
-        self.nbytes = sum(size for ref, size in self._made.values() if not ref.expired())
+        self.nbytes = self._alive()
         return result
 
 

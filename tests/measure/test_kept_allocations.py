@@ -4,6 +4,7 @@ policy, keeps exactly the bytes parlib.cost.memory predicts for recompute="op"."
 
 import textwrap
 
+import pytest
 import torch
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -13,7 +14,7 @@ from torch.utils.checkpoint import (
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-from parlib.cost.memory import activation_bytes_per_layer
+from parlib.cost.memory import activation_bytes_per_layer, logits_bytes
 from parlib.measure import KeptAllocations
 
 
@@ -106,8 +107,33 @@ def test_uneven_sizes_and_no_grouped_kv():
 
 def test_the_docstring_example_runs_as_written(capsys):
     doc = KeptAllocations.__doc__
-    example = textwrap.dedent(doc.split("For example::")[1])
+    example = textwrap.dedent(doc.split("example::")[1])
     namespace = {}
     exec(example, namespace)  # noqa: S102 - our own docstring
     assert namespace["kept"].nbytes == 1024 == namespace["out"].numel() * 4
-    assert capsys.readouterr().out.strip() == "1024"
+    assert namespace["kept"].peak == 2048
+    assert capsys.readouterr().out.strip() == "1024 2048"
+
+
+def test_an_unfused_cross_entropy_leaves_what_the_model_counts_and_peaks_at_twice_it():
+    tokens, vocab, h = 256, 1000, 32
+    hidden = torch.randn(tokens, h, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, h, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    with KeptAllocations() as forward:
+        logits = hidden @ weight.t()
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+    # the forward leaves the bf16 logits and the fp32 log-probabilities: logits_bytes
+    # (and two fp32 scalars: the loss and NLL's total weight)
+    assert forward.nbytes - 8 == logits_bytes(tokens, 1, vocab) == tokens * vocab * 6
+    hidden.grad = weight.grad = None
+    with KeptAllocations() as step:
+        logits = hidden @ weight.t()
+        loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+        del logits  # nothing needs them now; a training loop holds no reference either
+        loss.backward()
+    # the backward holds the saved log-probabilities, their gradient and the fp32 logits'
+    # gradient at once: 12 bytes a logit, twice what the forward leaves (the model counts
+    # the forward's 6: a fused loss, as llm-foundry's runs use, keeps less)
+    assert step.peak == pytest.approx(12 * tokens * vocab, rel=0.01)
+    assert step.peak > 1.9 * logits_bytes(tokens, 1, vocab)
