@@ -22,8 +22,9 @@ Sections, each a function printing one table:
   of the datasheet bandwidth) fitted to every published row, to llm-foundry's alone and to the
   others alone, and how each fit predicts both sets (``parlib.cost.calibration``).
 - ``heldout``: torchtitan's Llama 2 rows on 64 A100s, in no fit: predicted against reported,
-  and whether the model says each layout fits, beside what happened (one ran out of memory)
-  (``parlib.cost.held_out``).
+  and whether the model says each layout fits, beside what happened (one ran out of memory);
+  then two peaks torchtitan measured (Llama 3.1 8B on 8 and 128 H100s) against the model's
+  count (``parlib.cost.held_out``).
 - ``network``: the share of the inter-node rate each run that can tell implies (ZeRO-3 alone
   across nodes, sync at least a third of compute); at each of 1, 1/2, 1/4, 1/8 of the rate,
   how many llm-foundry and Table 2 rows stay in the band and how many Table 2 pairs are
@@ -210,13 +211,15 @@ def calibration_section(args: argparse.Namespace) -> None:
 
 
 def heldout_section(args: argparse.Namespace) -> None:
-    from parlib.cost.held_out import held_out_runs, memory_table
+    from parlib.cost.held_out import held_out_runs, memory_reading_table, memory_table
     from parlib.cost.published import comparison_table
-    print("\nrows no fit has seen: torchtitan's Llama 2 runs on 64 A100s, and whether each "
-          "layout fits (sources: parlib/cost/held_out.py)\n")
+    print("\nrows no fit has seen: torchtitan's Llama 2 runs on 64 A100s, whether each "
+          "layout fits, and two measured peaks (sources: parlib/cost/held_out.py)\n")
     print(comparison_table(held_out_runs()))
     print()
     print(memory_table())
+    print()
+    print(memory_reading_table())
 
 
 def network_section(args: argparse.Namespace) -> None:

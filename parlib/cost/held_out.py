@@ -11,6 +11,14 @@ when selective activation checkpointing is used". Its rows with "selective layer
 checkpointing (every second layer wholly recomputed) are left out: that policy is not one
 the model names.
 
+Two more rows measure memory itself: torchtitan's benchmarks/llama3_h100_202412_torchtitan.md
+(end of 2024) ran Llama 3.1 8B with FSDP alone, local batch 2 at sequence 8192, selective
+(per-operation) checkpointing, no torch.compile or Float8, on 8 and on 128 H100s of 96 GB,
+and read the peak memory the allocator reserved (torchtitan logs ``max_reserved_gib``): 82.4
+GiB on 8 GPUs, 67.0 on 128 (Tables 1 and 3). :func:`memory_reading_table` holds the model's
+count against them. (Its throughputs are not used: those H100s ran at 500 W with HBM2e, a
+peak the table says it does not know.)
+
 None of these rows is in the training shares' fit (:mod:`parlib.cost.calibration`), so
 :func:`held_out_runs` tests the shares on rows they were not chosen for, and
 :data:`MEMORY_FACTS` tests the memory model on the one thing a table states about memory
@@ -26,9 +34,11 @@ from dataclasses import dataclass
 from parlib.cost.estimate import Estimate, estimate
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
+from parlib.cost.memory import logits_bytes, loss_backward_peak_bytes
 from parlib.cost.model import Model
 from parlib.cost.published import PublishedRun, llama, torchtitan_run
 
+GIB = 2**30  # torchtitan reads memory in GiB
 _FOOTNOTE = ("torchtitan docs/performance.md (commit 0413364), footnote 1: the Llama 2 70B "
              "run with local batch size 2 and selective (per-operation) checkpointing ran "
              "out of memory")
@@ -100,4 +110,56 @@ def memory_table(facts: tuple[MemoryFact, ...] = MEMORY_FACTS) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["MEMORY_FACTS", "MemoryFact", "held_out_runs", "memory_agreement", "memory_table"]
+_READINGS = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: Llama "
+             "3.1 8B, FSDP, local batch 2, selective activation checkpointing, H100 96 GB")
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """A layout's peak memory per device as a source measured it (GiB, the allocator's
+    reserve: what decides whether it runs)."""
+
+    name: str
+    fact: MemoryFact
+    reported_gib: float
+
+
+def memory_readings() -> tuple[MemoryReading, ...]:
+    """torchtitan's Llama 3.1 8B on 8 and 128 H100s of 96 GB: FSDP2, local batch 2, the
+    per-operation policy, gradients reduced in fp32 (what that code ran)."""
+    model = llama("Llama 3", "8B")
+    out = []
+    for gpus, gib in ((8, 82.4), (128, 67.0)):
+        hardware = Hardware.dgx_h100(gpus).with_(memory_bytes=96 * GB)
+        settings = dict(m=1, global_batch=2 * gpus, zero=3, recompute="op",
+                        grad_reduce_bytes=4, fused_attention=True)
+        name = f"Llama 3.1 8B, {gpus} H100 FSDP, op AC, 2 a GPU"
+        out.append(MemoryReading(name, MemoryFact(name, model, hardware, Layout(dp=gpus),
+                                                  settings, True, _READINGS), gib))
+    return tuple(out)
+
+
+def memory_reading_table(readings: tuple[MemoryReading, ...] | None = None) -> str:
+    """Per reading: the model's count, the same with the unfused loss's backward peak in
+    place of what its forward leaves (torchtitan's loss is PyTorch's cross-entropy:
+    :func:`~parlib.cost.memory.loss_backward_peak_bytes`), and the measured peak, in GiB;
+    then the range of measured / counted."""
+    readings = readings or memory_readings()
+    rows = [f"{'layout':<42} {'counted':>8} {'with the loss peak':>18} {'measured':>9} "
+            f"{'measured / counted':>19}"]
+    ratios = []
+    for r in readings:
+        est, f = r.fact.estimate(), r.fact
+        s, b, vocab = f.model.seq_len, est.micro_batch, f.model.vocab_size
+        peak = (loss_backward_peak_bytes(s, b, vocab, t=f.layout.tp)
+                - logits_bytes(s, b, vocab, t=f.layout.tp))
+        counted = est.memory_total / GIB
+        ratios.append(r.reported_gib / counted)
+        rows.append(f"{r.name:<42} {counted:>8.1f} {counted + peak / GIB:>18.1f} "
+                    f"{r.reported_gib:>9.1f} {ratios[-1]:>19.2f}")
+    rows.append(f"measured / counted {min(ratios):.2f}-{max(ratios):.2f}")
+    return "\n".join(rows)
+
+
+__all__ = ["GIB", "MEMORY_FACTS", "MemoryFact", "MemoryReading", "held_out_runs",
+           "memory_agreement", "memory_reading_table", "memory_readings", "memory_table"]

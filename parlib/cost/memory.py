@@ -150,12 +150,28 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
     cross-entropy keeps. Large for big vocabularies: 8192 x 128000 x 6 bytes is 6.3 GB.
 
     This is what an unfused cross-entropy's forward leaves. Its backward holds twice as much
-    for a moment (the fp32 log-probabilities, their gradient and the fp32 logits' gradient,
-    12 bytes a logit; both measured with :class:`parlib.measure.KeptAllocations`), while a
-    fused loss keeps less; the estimate counts this forward's share, since llm-foundry's runs
-    that ran (MPT's ``loss_fn`` defaults to ``fused_crossentropy``, flash-attn's fused loss:
-    llm-foundry's llmfoundry/models/mpt/modeling_mpt.py) would not fit at 12 bytes a logit."""
+    for a moment (:func:`loss_backward_peak_bytes`; both measured with
+    :class:`parlib.measure.KeptAllocations`), while a fused loss keeps less. The estimate
+    counts this forward's share: llm-foundry's runs that ran (MPT's ``loss_fn`` defaults to
+    ``fused_crossentropy``, flash-attn's fused loss: llm-foundry's
+    llmfoundry/models/mpt/modeling_mpt.py) would not fit at 12 bytes a logit."""
     return seq_len * micro_batch * vocab_size * (dtype_bytes + 4) / t
+
+
+# An unfused cross-entropy's backward (logits cast to fp32, log-softmax, NLL): log-softmax's
+# backward reads the fp32 output it saved and the fp32 gradient NLL made, and writes the fp32
+# gradient of its input, all three alive at once: 4 + 4 + 4 bytes a logit.
+LOSS_BACKWARD_BYTES_PER_LOGIT = 12
+
+
+def loss_backward_peak_bytes(seq_len: int, micro_batch: int, vocab_size: int, *,
+                             t: int = 1) -> float:
+    """Bytes an unfused cross-entropy holds at once in its backward, for one microbatch on
+    one of t ranks (vocabulary split t ways): the fp32 log-probabilities it saved, their
+    gradient and the fp32 logits' gradient, :data:`LOSS_BACKWARD_BYTES_PER_LOGIT` a logit,
+    whatever the logits' own dtype (nothing needs them by then). Twice bf16
+    :func:`logits_bytes`, which the estimate counts (see there why)."""
+    return seq_len * micro_batch * vocab_size * LOSS_BACKWARD_BYTES_PER_LOGIT / t
 
 
 # A backward pass of a memory-bound operation reads what its forward read (the saved input)
@@ -261,7 +277,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
     return n_layers * layer + final_norm + logits
 
 
-__all__ = ["LSE_BYTES_PER_HEAD", "MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES",
+__all__ = ["LOSS_BACKWARD_BYTES_PER_LOGIT", "LSE_BYTES_PER_HEAD",
+           "MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES", "loss_backward_peak_bytes",
            "activation_bytes_per_layer",
            "memory_bound_bytes_per_layer", "gradient_cast_bytes_per_param",
            "adam_bytes_per_param", "logits_bytes",

@@ -7,7 +7,15 @@ import dataclasses
 import pytest
 
 from parlib.cost.foundry import published_rows
-from parlib.cost.held_out import MEMORY_FACTS, held_out_runs, memory_agreement, memory_table
+from parlib.cost.held_out import (
+    GIB,
+    MEMORY_FACTS,
+    held_out_runs,
+    memory_agreement,
+    memory_reading_table,
+    memory_readings,
+    memory_table,
+)
 from parlib.cost.published import TARGET_BAND, comparison_table
 
 
@@ -55,3 +63,24 @@ def test_the_memory_model_says_which_ran():
     forgot = tuple(dataclasses.replace(f, settings=dict(f.settings, recompute=True))
                    for f in MEMORY_FACTS)
     assert memory_agreement(forgot)[0] < 5
+
+
+def test_measured_peaks_against_the_models_count():
+    readings = memory_readings()
+    assert [r.reported_gib for r in readings] == [82.4, 67.0]
+    assert [r.fact.layout.dp for r in readings] == [8, 128]
+    assert all(r.fact.hardware.memory_bytes == 96e9 and r.fact.settings["recompute"] == "op"
+               for r in readings)
+    table = memory_reading_table()
+    print("\n" + table)
+    counted = [r.fact.estimate().memory_total / GIB for r in readings]
+    ratios = [r.reported_gib / c for r, c in zip(readings, counted)]
+    # what the chapter and the README state: the measured peaks were 1.40-1.49x the count
+    assert f"measured / counted {min(ratios):.2f}-{max(ratios):.2f}" in table
+    assert (round(min(ratios), 2), round(max(ratios), 2)) == (1.40, 1.49)
+    # the unfused loss's backward: 6 more bytes a logit, 16,384 tokens x 128,256 words
+    loss = 6 * 16384 * 128256 / GIB
+    assert loss == pytest.approx(11.74, abs=0.01)
+    rest = [r.reported_gib - c - loss for r, c in zip(readings, counted)]
+    # what is left does not grow with the sharded state (8 GPUs hold 16x the 128's share)
+    assert all(9 < x < 13 for x in rest) and abs(rest[0] - rest[1]) < 2
