@@ -107,7 +107,9 @@ What the model assumes, in one place:
   (FSDP2's default depth), a unit's collectives hide behind the unit before it; the model
   sums them over the phase, which is the same for equal layers.
 - Memory is that of the worst stage: first (embedding, most in flight) or last (output
-  layer and its logits). Nothing is charged for framework buffers or fragmentation.
+  layer and what its loss holds over the logits at the backward's start, by the loss's
+  implementation: :func:`~parlib.cost.memory.loss_peak_bytes`). Nothing is charged for
+  framework buffers or fragmentation (:mod:`parlib.cost.held_out` measures what that left).
 """
 
 from __future__ import annotations
@@ -123,11 +125,12 @@ from parlib.cost.experts import ep_all_to_all_bytes_per_layer
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.memory import (
+    LOSSES,
     MEMORY_BOUND_BACKWARD_PER_FORWARD,
     activation_bytes_per_layer,
     gradient_cast_bytes_per_param,
-    logits_bytes,
     loss_bytes_per_token,
+    loss_peak_bytes,
     memory_bound_bytes_per_layer,
     model_state_bytes_by_kind,
     model_state_bytes_per_param,
@@ -280,7 +283,7 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
              dp_overlap: bool = True, replicated_head: bool = False,
              extra_recompute_flops_per_token: float = 0.0,
              grad_reduce_bytes: int | None = None, fused_attention: bool = False,
-             shard_group: int | None = None) -> Estimate:
+             shard_group: int | None = None, loss: str = "unfused") -> Estimate:
     """Predict one layout, e.g. ``Layout(dp=8, tp=8)`` (a mapping of axis sizes is taken as
     one): m microbatches per step per data-parallel rank, ``global_batch`` sequences per
     step, v model chunks per pipeline rank (v > 1: the interleaved schedule).
@@ -310,6 +313,10 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     ``fused_attention=True``: attention runs as one fused kernel (FlashAttention) whatever
     ``recompute`` says, so no layer stores or streams its s x s scores; by default only
     "selective" (and context parallelism's blockwise attention) keeps them on chip.
+    ``loss``: the cross-entropy's implementation, which sets what its backward holds for the
+    logits (:func:`~parlib.cost.memory.loss_peak_bytes`): "unfused" (PyTorch's, the default:
+    what the course's code and a plain training loop run), "in_place" (Megatron-LM's) or
+    "fused" (one kernel, as flash-attn's).
     ``shard_group=s`` (with ``zero=3``): HSDP, ZeRO-3 inside groups of s consecutive ranks
     of the d x c data-parallel ranks (best inside a node), the d x c / s copies replicated:
     the gathers and reduce-scatters run in the shard group, then one all-reduce of each
@@ -343,11 +350,13 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
         raise ValueError(f"fused_attention must be True or False, got {fused_attention!r}")
     if shard_group is not None:
         check_hsdp(layout, zero, shard_group)
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                     sequence_parallel, mixed_precision, dp_overlap,
                     replicated_head=replicated_head, extra_recompute_flops_per_token=extra,
                     grad_reduce_bytes=grad_reduce_bytes, fused_attention=fused_attention,
-                    shard_group=shard_group or 0)
+                    shard_group=shard_group or 0, loss=loss)
     est.reason = est.describe()
     return est
 
@@ -452,6 +461,7 @@ class _Step:
     rings: dict[str, Any]
     fused_attention: bool = False
     shard_group: int = 0  # HSDP: ZeRO-3 over groups of this many sync ranks (0: not HSDP)
+    loss: str = "unfused"  # the cross-entropy's implementation (memory.LOSSES)
 
     @property
     def full(self) -> bool:
@@ -482,7 +492,7 @@ class _Step:
 def _step(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
           global_batch: int, zero: int, recompute: bool | str, sequence_parallel: bool,
           mixed_precision: bool, fused_attention: bool = False,
-          shard_group: int = 0) -> _Step:
+          shard_group: int = 0, loss: str = "unfused") -> _Step:
     d, t, c = layout.dp, layout.tp, layout.cp
     spans = _spans(layout)
     # ring collectives (TP's all-reduces, the gradient sync over d x c) share a node's NICs
@@ -495,7 +505,7 @@ def _step(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
                  rings={"tp": hardware.ring_link(spans["tp"], t),
                         "sync": hardware.ring_link(sync_span, d * c),
                         **_hsdp_rings(hardware, t, sync_span, d * c, shard_group)},
-                 fused_attention=fused_attention, shard_group=shard_group)
+                 fused_attention=fused_attention, shard_group=shard_group, loss=loss)
 
 
 def _hsdp_rings(hardware: Hardware, t: int, sync_span: int, sync: int, shard: int
@@ -514,13 +524,14 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               only_if_fits: bool = False, replicated_head: bool = False,
               extra_recompute_flops_per_token: float = 0.0,
               grad_reduce_bytes: int | None = None,
-              fused_attention: bool = False, shard_group: int = 0) -> Estimate | None:
+              fused_attention: bool = False, shard_group: int = 0,
+              loss: str = "unfused") -> Estimate | None:
     """The estimate, inputs already checked (the planner calls this directly, with
     ``only_if_fits``: None, before any time is worked out, when the memory does not fit).
     One helper per part, in the order of a step: memory, compute, memory-bound work and
     the optimizer step, then each axis' communication (tp, cp, ep, pp, dp)."""
     step = _step(model, hardware, layout, m, v, global_batch, zero, recompute,
-                 sequence_parallel, mixed_precision, fused_attention, shard_group)
+                 sequence_parallel, mixed_precision, fused_attention, shard_group, loss)
     total, stage, params_per_device, experts_per_device, memory = _memory(step,
                                                                           replicated_head)
     if only_if_fits and total > hardware.memory_bytes:
@@ -631,8 +642,9 @@ def _activations(step: _Step) -> tuple[float, float, float]:
         working = whole
     elif step.recompute == OP_POLICY:  # ... and under "op" what it reruns beside what it kept
         working = max(0.0, whole - per_layer)
-    logits = logits_bytes(step.s_local, step.b, model.vocab_size, t=t,
-                          dtype_bytes=step.act_bytes)
+    # the loss's backward peak, held beside every layer's activations as the backward starts
+    logits = loss_peak_bytes(step.s_local, step.b, model.vocab_size, t=t,
+                             dtype_bytes=step.act_bytes, loss=step.loss)
     return per_layer, working, logits
 
 

@@ -115,7 +115,7 @@ def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens
     ours = tokens_per_gpu * model.flops_per_token / hardware.peak_flops
     settings = dict(m=accum, global_batch=micro * accum * gpus, zero=3,
                     recompute=True if checkpointing else "selective",
-                    grad_reduce_bytes=reduce, fused_attention=True)
+                    grad_reduce_bytes=reduce, fused_attention=True, loss="fused")
     return PublishedRun(
         name=f"MPT {size}, {gpus} {generation}",
         source=(f"{_SOURCE}, {generation} table: {size}, seq 2048, {gpus} GPUs, microbatch "

@@ -149,29 +149,38 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
     split t ways): the (b, s, V) logits in the activation dtype plus the fp32 copy the
     cross-entropy keeps. Large for big vocabularies: 8192 x 128000 x 6 bytes is 6.3 GB.
 
-    This is what an unfused cross-entropy's forward leaves. Its backward holds twice as much
-    for a moment (:func:`loss_backward_peak_bytes`; both measured with
-    :class:`parlib.measure.KeptAllocations`), while a fused loss keeps less. The estimate
-    counts this forward's share: llm-foundry's runs that ran (MPT's ``loss_fn`` defaults to
-    ``fused_crossentropy``, flash-attn's fused loss: llm-foundry's
-    llmfoundry/models/mpt/modeling_mpt.py) would not fit at 12 bytes a logit."""
+    This is what an unfused cross-entropy's forward leaves (measured with
+    :class:`parlib.measure.KeptAllocations`); its backward holds more for a moment, and the
+    estimate counts that peak (:func:`loss_peak_bytes`)."""
     return seq_len * micro_batch * vocab_size * (dtype_bytes + 4) / t
 
 
-# An unfused cross-entropy's backward (logits cast to fp32, log-softmax, NLL): log-softmax's
-# backward reads the fp32 output it saved and the fp32 gradient NLL made, and writes the fp32
-# gradient of its input, all three alive at once: 4 + 4 + 4 bytes a logit.
-LOSS_BACKWARD_BYTES_PER_LOGIT = 12
+# What a loss holds at its peak (its backward), by implementation:
+# - "unfused": PyTorch's cross-entropy of the logits cast to fp32 (what a plain training loop
+#   and the course's own code run): log-softmax's backward reads the fp32 output it saved and
+#   the fp32 gradient NLL made, and writes the fp32 gradient of its input, all alive at once:
+#   12 bytes a logit, whatever the logits' dtype (measured with KeptAllocations);
+# - "in_place": Megatron-LM's vocab-parallel cross-entropy (megatron/core/tensor_parallel/
+#   cross_entropy.py): one fp32 copy of the logits, turned into the softmax and then into the
+#   gradient in place, and the gradient cast back to the logits' dtype: 4 + 2 bytes in bf16
+#   (4 in fp32, where the copy is the logits themselves);
+# - "fused": one kernel (flash-attn's cross_entropy, which llm-foundry's MPT uses): it keeps
+#   the logits and writes their gradient, 2 x their dtype.
+LOSSES = ("unfused", "in_place", "fused")
 
 
-def loss_backward_peak_bytes(seq_len: int, micro_batch: int, vocab_size: int, *,
-                             t: int = 1) -> float:
-    """Bytes an unfused cross-entropy holds at once in its backward, for one microbatch on
-    one of t ranks (vocabulary split t ways): the fp32 log-probabilities it saved, their
-    gradient and the fp32 logits' gradient, :data:`LOSS_BACKWARD_BYTES_PER_LOGIT` a logit,
-    whatever the logits' own dtype (nothing needs them by then). Twice bf16
-    :func:`logits_bytes`, which the estimate counts (see there why)."""
-    return seq_len * micro_batch * vocab_size * LOSS_BACKWARD_BYTES_PER_LOGIT / t
+def loss_peak_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
+                    dtype_bytes: int = 2, loss: str = "unfused") -> float:
+    """Bytes a cross-entropy holds at once in its backward, for one microbatch on one of t
+    ranks (vocabulary split t ways), logits of ``dtype_bytes``, by ``loss``
+    (:data:`LOSSES`): 12 bytes a logit "unfused", 6 "in_place" in bf16, 4 "fused" in bf16.
+    Held when the backward starts, beside every layer's saved activations: for a large
+    vocabulary a large share of a step's peak (8192 x 128000 x 12 bytes is 12.6 GB)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    per_logit = {"unfused": 12, "in_place": 4 + (dtype_bytes if dtype_bytes < 4 else 0),
+                 "fused": 2 * dtype_bytes}[loss]
+    return seq_len * micro_batch * vocab_size * per_logit / t
 
 
 # A backward pass of a memory-bound operation reads what its forward read (the saved input)
@@ -277,8 +286,8 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
     return n_layers * layer + final_norm + logits
 
 
-__all__ = ["LOSS_BACKWARD_BYTES_PER_LOGIT", "LSE_BYTES_PER_HEAD",
-           "MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES", "loss_backward_peak_bytes",
+__all__ = ["LOSSES", "LSE_BYTES_PER_HEAD",
+           "MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES", "loss_peak_bytes",
            "activation_bytes_per_layer",
            "memory_bound_bytes_per_layer", "gradient_cast_bytes_per_param",
            "adam_bytes_per_param", "logits_bytes",

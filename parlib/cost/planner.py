@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from parlib.cost.estimate import RECOMPUTE, STEP_PARTS, Estimate, _evaluate, check_inputs
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
+from parlib.cost.memory import LOSSES
 from parlib.cost.model import Model
 
 _WHY_FASTER = {"compute": "less compute", "memory_bound": "fewer bytes through memory",
@@ -88,8 +89,8 @@ def _faster(a: Estimate, b: Estimate) -> bool:
 
 
 def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: int = 5,
-                 sequence_parallel: bool = True, mixed_precision: bool = True
-                 ) -> list[Estimate]:
+                 sequence_parallel: bool = True, mixed_precision: bool = True,
+                 loss: str = "unfused") -> list[Estimate]:
     """The ``top`` fastest layouts that fit, fastest first, each with ``.reason``: one
     :class:`Estimate` per layout, at its best setting.
 
@@ -98,7 +99,8 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
     where the data-parallel ranks span nodes (:func:`hsdp_shard_group`) and recomputation
     (none, selective, full). Inputs, not searched: ``mixed_precision`` (the
     cost model has one compute rate, the training dtype's, so fp32 would only look bigger,
-    never faster) and ``sequence_parallel``. The picks' ``binding`` names what limits each
+    never faster), ``sequence_parallel`` and ``loss`` (the cross-entropy's implementation,
+    :func:`~parlib.cost.estimate.estimate`'s). The picks' ``binding`` names what limits each
     (:func:`binding_constraint`), and their reason ends with it.
 
     An empty list means no valid layout fits, not even with ZeRO-3 and full recomputation
@@ -109,6 +111,8 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
         raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
     best: dict[Layout, Estimate] = {}
     plain_fits: set[Layout] = set()  # fit with neither ZeRO nor recomputation
     smallest_split_that_fits = None
@@ -118,7 +122,7 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
             for zero, shard in _sharding_options(layout, hardware):
                 est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                                 sequence_parallel, mixed_precision, only_if_fits=True,
-                                shard_group=shard)
+                                shard_group=shard, loss=loss)
                 if est is None:
                     continue
                 if zero == 0 and recompute is False:

@@ -113,7 +113,7 @@ def _megatron_row(billions: str, heads: int, hidden: int, layers: int, t: int, p
         hardware=Hardware.dgx_a100(gpus),
         layout=Layout(dp=d, tp=t, pp=p),
         settings=dict(m=batch // (d * micro_batch), global_batch=batch, recompute=True,
-                      sequence_parallel=False, v=v),
+                      sequence_parallel=False, v=v, loss="in_place"),
         metric="hfu", reported=percent / 100, reported_tflops_per_device=tflops,
         assumed=_MEGATRON_ASSUMED, cannot_know=_MEGATRON_UNKNOWN,
         reported_params=float(billions))
@@ -145,7 +145,7 @@ def _korthikanti_row(billions: str, heads: int, hidden: int, layers: int, p: int
         hardware=Hardware.dgx_a100(gpus),
         layout=Layout(dp=1, tp=8, pp=p),
         settings=dict(m=batch, global_batch=batch, recompute="selective",
-                      sequence_parallel=True),
+                      sequence_parallel=True, loss="in_place"),
         metric="mfu", reported=mfu / 100, reported_tflops_per_device=None,
         assumed=_KORTHIKANTI_ASSUMED, cannot_know=_KORTHIKANTI_UNKNOWN)
 
@@ -184,7 +184,7 @@ def _llama_row(gpus: int, cp: int, dp: int, seq_len: int, batch_per_dp: int, tfl
     model, hardware = _llama_405b(seq_len), Hardware.dgx_h100(gpus)
     layout = Layout(dp=dp, cp=cp, tp=8, pp=16)
     settings = dict(m=batch_per_dp, global_batch=dp * batch_per_dp, zero=2,
-                    recompute="selective", v=LLAMA_CHUNKS)
+                    recompute="selective", v=LLAMA_CHUNKS, loss="in_place")
     chunks = f"interleaved, v = {LLAMA_CHUNKS} chunks per rank (Figure 6's; V is not stated)"
     if not estimate(model, hardware, layout, **settings).fits:
         settings["v"] = 1
@@ -222,7 +222,8 @@ BLOOM_RUN = PublishedRun(
     model=_BLOOM,
     hardware=JEAN_ZAY_A100,
     layout=Layout(dp=8, tp=4, pp=12),
-    settings=dict(m=128, global_batch=2048, zero=1, recompute=True, sequence_parallel=False),
+    settings=dict(m=128, global_batch=2048, zero=1, recompute=True, sequence_parallel=False,
+                  loss="in_place"),
     metric="hfu", reported=150.05 / 312, reported_tflops_per_device=150.05,
     assumed=("70 layers in 12 stages, the first and last one layer short (BigScience gave "
              "the embeddings those slots); vocabulary padded to 250,880; ZeRO-1; 1F1B, v = 1; "
@@ -247,7 +248,8 @@ OPT_RUN = PublishedRun(
                 name="OPT 175B"),
     hardware=Hardware.dgx_a100(992),
     layout=Layout(dp=124, tp=8),
-    settings=dict(m=1, global_batch=992, zero=3, recompute=True, sequence_parallel=False),
+    settings=dict(m=1, global_batch=992, zero=3, recompute=True, sequence_parallel=False,
+                  loss="in_place"),
     metric="hfu", reported=147 / 312, reported_tflops_per_device=147,
     assumed=("TP 8 (992 = 124 x 8); 992 sequences per step (2.03M tokens: 2M is not a whole "
              "number of sequences per rank), 8 per rank in one microbatch; FSDP as ZeRO-3; "
@@ -351,7 +353,7 @@ def _mosaic_row(size: str, layers: int, hidden: int, heads: int, gpus: int, micr
         # without checkpointing, the fused (Triton) attention still stores no scores: "selective"
         settings=dict(m=accum, global_batch=batch, zero=3,
                       recompute=True if checkpointing else "selective",
-                      fused_attention=True),
+                      fused_attention=True, loss="fused"),
         metric="mfu", reported=ours, reported_tflops_per_device=None,
         reported_tokens_per_second_per_device=tokens_per_gpu,
         assumed=("FSDP FULL_SHARD as ZeRO-3, gradients reduced in bf16 (Composer's 'DEFAULT' "

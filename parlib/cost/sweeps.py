@@ -176,7 +176,7 @@ def _point(dp: int, tp: int, pp: int, mbs: int, gbs: int, seconds: float) -> Swe
     return SweepPoint(
         layout=Layout(dp=dp, tp=tp, pp=pp),
         settings=dict(m=gbs // (dp * mbs), global_batch=gbs, zero=1, recompute=True,
-                      sequence_parallel=False),
+                      sequence_parallel=False, loss="in_place"),
         seconds_per_step=seconds, label=f"DP{dp} TP{tp} PP{pp} MBS{mbs} GBS{gbs}")
 
 

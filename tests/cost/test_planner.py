@@ -35,13 +35,13 @@ def test_a_huge_model_splits_tensors_inside_a_node_then_pipelines():
 
 
 def test_when_nothing_smaller_fits_the_reason_says_the_weights_need_splitting():
-    # 7B on 14 GB devices: even ZeRO-3 over 8 with full recomputation does not fit
-    ranked = best_layouts(LLAMA_7B, Hardware.dgx_h100(8, memory_bytes=14e9), global_batch=8)
+    # 7B on 14.2 GB devices: even ZeRO-3 over 8 with full recomputation does not fit
+    ranked = best_layouts(LLAMA_7B, Hardware.dgx_h100(8, memory_bytes=14.2e9), global_batch=8)
     assert ranked and all(e.layout.tp * e.layout.pp == 8 for e in ranked)
     assert ranked[0].layout == Layout(tp=8)
     assert ranked[0].reason.startswith("t=8: the weights need 8-way splitting to fit; "
                                        "kept in one node")
-    assert not estimate(LLAMA_7B, Hardware.dgx_h100(8, memory_bytes=14e9), Layout(dp=8),
+    assert not estimate(LLAMA_7B, Hardware.dgx_h100(8, memory_bytes=14.2e9), Layout(dp=8),
                         m=1, global_batch=8, zero=3, recompute=True).fits
 
 

@@ -166,18 +166,23 @@ def test_zero3_with_a_pipeline_is_refused_and_never_planned():
 
 def test_the_planner_names_the_binding_constraint():
     small = Model(12, 768, 12, 1024, 50257)
-    # a small model on fast links: compute binds (little else is left)
-    roomy = best_layouts(small, Hardware.dgx_h100(8).with_(memory_bandwidth=math.inf),
-                         global_batch=512)[0]
+    # a small model on fast links, with a fused loss: compute binds (little else is left)
+    fast = Hardware.dgx_h100(8).with_(memory_bandwidth=math.inf)
+    roomy = best_layouts(small, fast, global_batch=512, loss="fused")[0]
     assert roomy.binding == "compute", roomy.binding
+    # PyTorch's unfused loss holds 12 bytes a logit of 50,257 words at its peak: the same
+    # pick fills the memory
+    unfused = best_layouts(small, fast, global_batch=512)[0]
+    assert (unfused.name, unfused.m) == (roomy.name, roomy.m)
+    assert unfused.binding.startswith("memory"), unfused.binding
     # memory bandwidth: the same model where memory-bound work is counted
     counted = best_layouts(small, Hardware.dgx_h100(8), global_batch=512)[0]
     assert counted.binding.startswith("memory bandwidth"), counted.binding
     assert "binds: memory bandwidth" in counted.reason
-    # memory: a 7B model on 14 GB devices has to split or shard to fit
+    # memory: a 7B model on 14.2 GB devices has to split or shard to fit
     llama = Model(32, 4096, 32, 4096, 32000, ffn_dim=11008, gated_mlp=True, bias=False,
                   learned_positions=False)
-    tight = best_layouts(llama, Hardware.dgx_h100(8, memory_bytes=14e9), global_batch=8)[0]
+    tight = best_layouts(llama, Hardware.dgx_h100(8, memory_bytes=14.2e9), global_batch=8)[0]
     assert tight.binding.startswith("memory ("), tight.binding
     # a link: the gradient sync over a 1 GB/s inter-node link, with memory to spare
     slow = Hardware.dgx_h100(16).with_(inter_node=Link(10e-6, 1e9))

@@ -117,11 +117,12 @@ register(Choice(
         the nodes each pipeline carries {_PER_PIPE} sequences, forward and back, 2 x
         {_PER_PIPE} x 2048 x 4096 x 2 bytes = {_GB["C"]:.2f} GB per step,
         {_GB["B"] / _GB["C"]:.1f}x fewer than B, at the price of a bubble. ZeRO-3 (D) gathers
-        the weights twice and reduce-scatters once: {_GB["D"]:.2f} GB,
+        the weights twice and reduce-scatters once for every microbatch (at its fastest
+        here, {BW_ZERO3.m} microbatches of {BW_ZERO3.micro_batch} sequences): {_GB["D"]:.2f} GB,
         {_GB["D"] / _GB["B"]:.1f}x B's, to save memory the run does not need. Tensor
         parallelism across the nodes (A) would send {_GB["A"]:.0f} GB of activations, in
         every layer, on the critical path. Fewest bytes is not fastest: at this link the
-        chapter's planner picks {BW_PICK.name} with ZeRO-{BW_PICK.zero} (step
+        chapter's planner picks {BW_PICK.name} with {BW_PICK.sharding or "no ZeRO"} (step
         {BW_PICK.step_time:.2f} s), which puts {BW_PICK.inter_node_bytes / GB:.2f} GB on the
         slow links and hides {_PICK_HIDDEN:.0%} of its sync behind compute; the pipeline,
         at its best setting, takes {BW_PIPELINE.step_time:.2f} s. Bytes decide when the
