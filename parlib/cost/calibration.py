@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from parlib.cost.avoided import PTDP_RUNS, ZERO3_RUNS, pairs
+from parlib.cost.avoided import PTDP_RUNS, ZERO3_RUNS, ordered_as_measured, pairs
 from parlib.cost.efficiency import achievable
 from parlib.cost.estimate import estimate
 from parlib.cost.foundry import FOUNDRY_RUNS, published_rows
@@ -218,9 +218,7 @@ def network_sweep(shares: tuple[float, ...] = NETWORK_SHARES
         for name, rows in tables.items():
             ratios = [at_network_share(r, share).ratio() for r in rows]
             row[name] = (sum(low <= x <= high for x in ratios), len(ratios))
-        ordered = sum((z.reported > p.reported)
-                      == (at_network_share(z, share).estimate().hfu
-                          > at_network_share(p, share).estimate().hfu) for z, p in pairs())
+        ordered = ordered_as_measured(lambda run: at_network_share(run, share))
         row["pairs as measured"] = (ordered, len(pairs()))
         out[share] = row
     return out

@@ -125,9 +125,9 @@ from parlib.cost.experts import ep_all_to_all_bytes_per_layer
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.memory import (
-    LOSSES,
     MEMORY_BOUND_BACKWARD_PER_FORWARD,
     activation_bytes_per_layer,
+    check_loss,
     gradient_cast_bytes_per_param,
     loss_bytes_per_token,
     loss_peak_bytes,
@@ -350,8 +350,7 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
         raise ValueError(f"fused_attention must be True or False, got {fused_attention!r}")
     if shard_group is not None:
         check_hsdp(layout, zero, shard_group)
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    check_loss(loss)
     est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                     sequence_parallel, mixed_precision, dp_overlap,
                     replicated_head=replicated_head, extra_recompute_flops_per_token=extra,

@@ -169,6 +169,12 @@ def logits_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
 LOSSES = ("unfused", "in_place", "fused")
 
 
+def check_loss(loss: str) -> None:
+    """Raise ValueError naming :data:`LOSSES` unless ``loss`` is one of them."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+
+
 def loss_peak_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int = 1,
                     dtype_bytes: int = 2, loss: str = "unfused") -> float:
     """Bytes a cross-entropy holds at once in its backward, for one microbatch on one of t
@@ -176,8 +182,7 @@ def loss_peak_bytes(seq_len: int, micro_batch: int, vocab_size: int, *, t: int =
     (:data:`LOSSES`): 12 bytes a logit "unfused", 6 "in_place" in bf16, 4 "fused" in bf16.
     Held when the backward starts, beside every layer's saved activations: for a large
     vocabulary a large share of a step's peak (8192 x 128000 x 12 bytes is 12.6 GB)."""
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    check_loss(loss)
     per_logit = {"unfused": 12, "in_place": 4 + (dtype_bytes if dtype_bytes < 4 else 0),
                  "fused": 2 * dtype_bytes}[loss]
     return seq_len * micro_batch * vocab_size * per_logit / t
@@ -286,7 +291,7 @@ def model_activation_bytes(seq_len: int, micro_batch: int, d_model: int, n_heads
     return n_layers * layer + final_norm + logits
 
 
-__all__ = ["LOSSES", "LSE_BYTES_PER_HEAD",
+__all__ = ["LOSSES", "LSE_BYTES_PER_HEAD", "check_loss",
            "MEMORY_BOUND_BACKWARD_PER_FORWARD", "RECOMPUTE_MODES", "loss_peak_bytes",
            "activation_bytes_per_layer",
            "memory_bound_bytes_per_layer", "gradient_cast_bytes_per_param",

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from parlib.cost.estimate import RECOMPUTE, STEP_PARTS, Estimate, _evaluate, check_inputs
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
-from parlib.cost.memory import LOSSES
+from parlib.cost.memory import check_loss
 from parlib.cost.model import Model
 
 _WHY_FASTER = {"compute": "less compute", "memory_bound": "fewer bytes through memory",
@@ -111,8 +111,7 @@ def best_layouts(model: Model, hardware: Hardware, *, global_batch: int, top: in
         raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top!r}")
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    check_loss(loss)
     best: dict[Layout, Estimate] = {}
     plain_fits: set[Layout] = set()  # fit with neither ZeRO nor recomputation
     smallest_split_that_fits = None

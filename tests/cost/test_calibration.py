@@ -172,6 +172,10 @@ def test_no_one_network_rate_keeps_every_table_in_the_band():
     for row in sweep.values():
         assert f"{row['other published'][0]}/{row['other published'][1]}" in table
     assert all(row["Table 2 PTD-P"] == (6, 6) for row in sweep.values())
+    # the pairs are counted the one way avoided.py counts them: none as measured at the full
+    # rate, four of six at a tenth, where ZeRO-3 pays its slower network and PTD-P little
+    assert sweep[1.0]["pairs as measured"] == (0, 6)
+    assert sweep[0.1]["pairs as measured"] == (4, 6)
 
 
 @pytest.mark.parametrize("generation", ["A100", "H100"])
