@@ -1,7 +1,7 @@
 """Benchmark of the choosing chapter's cost model: the planner and the published runs (pure Python,
 no ranks, a second or two), and predicted against measured layouts here (a minute or two).
 
-    python bench/cost.py                      # every section
+    python bench/cost.py                      # every section but grid
     python bench/cost.py --sections plan      # only the planner timing and its top 5
 
 Sections, each a function printing one table:
@@ -30,6 +30,10 @@ Sections, each a function printing one table:
   how many llm-foundry and Table 2 rows stay in the band and how many Table 2 pairs are
   ordered as measured; and each generation's fit error at those shares
   (``parlib.cost.calibration.network_table``, ``network_fit``).
+- ``grid``: a measured grid of your own (``--grid FILE``, a CSV as ``parlib.cost.grid``
+  describes): per model and GPU count, the rank correlation of predicted with measured
+  throughput and the model's pick against the best measured; the medians against the
+  course's targets (``parlib.cost.grid.grid_table``). Run only when named.
 - ``layouts``: the choosing chapter's six 4-rank layouts of the tiny model, predicted with the link
   measured here and emulated devices, then run with the combining chapter's code:
   measured / predicted per layout, with the measured link and with an emulated slow one
@@ -233,6 +237,15 @@ def network_section(args: argparse.Namespace) -> None:
             print(f"{gen:<10} {share:>6.3g} {f.matmul:>6.2f} {f.memory:>6.2f} {f.error:>9.3f}")
 
 
+def grid_section(args: argparse.Namespace) -> None:
+    from parlib.cost.grid import grid_table, read_grid, score_grid
+    if args.grid is None:
+        raise SystemExit("the grid section scores a measured grid: pass --grid FILE.csv "
+                         "(its columns: parlib/cost/grid.py)")
+    print(f"\na measured grid against the model ({args.grid})\n")
+    print(grid_table(score_grid(read_grid(args.grid))))
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "plan": plan_section,
     "published": published_section,
@@ -243,12 +256,17 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
     "heldout": heldout_section,
     "network": network_section,
     "layouts": layouts_section,
+    "grid": grid_section,
 }
+# what runs when --sections is not given: every section but the grid, which needs a file
+DEFAULT_SECTIONS = [name for name in SECTIONS if name != "grid"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=DEFAULT_SECTIONS)
+    ap.add_argument("--grid", default=None,
+                    help="grid: a CSV of measured layouts (columns: parlib/cost/grid.py)")
     ap.add_argument("--repeats", type=int, default=5, help="planner searches to time")
     ap.add_argument("--global-batch", type=int, default=4096, help="sequences per step")
     ap.add_argument("--slowdown", type=float, default=16.0,

@@ -40,6 +40,8 @@ Built on them, the choosing chapter's cost model:
 - :mod:`parlib.cost.avoided`: a layout experts avoid (ZeRO-3 alone on hundreds of GPUs)
   measured beside the one they chose, held against the model.
 - :mod:`parlib.cost.sweeps`: published layout sweeps, the model's order against the measured.
+- :mod:`parlib.cost.grid`: a grid of layouts someone measured (a CSV file), scored against
+  the model: the order within each cluster size, the model's pick, the rate, the memory.
 
 Each formula is written once, in the module named for it; the estimate and the planner call
 those functions rather than restating them.

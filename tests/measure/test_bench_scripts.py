@@ -4,6 +4,7 @@ defaults are the experiment's own constants; bench/combined.py's example runs as
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -73,6 +74,20 @@ def test_cost_script_defaults_are_the_experiments_constants():
                                             "avoided", "calibration", "heldout", "network",
                                             "layouts"}
     assert ap_defaults["link"] == "paced"
+    assert "grid" in cost.SECTIONS and ap_defaults["grid"] is None
+
+
+def test_cost_script_scores_a_grid_file_and_asks_for_one(tmp_path, capsys):
+    cost = _load("cost")
+    readme = (ROOT / "README.md").read_text()
+    example = re.search(r"<!-- grid example -->\n```csv\n(.*?)```", readme, re.S).group(1)
+    path = tmp_path / "grid.csv"
+    path.write_text(example)
+    assert cost.main(["--sections", "grid", "--grid", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert str(path) in out and "median measured / predicted MFU: 0.95 over 4 rows" in out
+    with pytest.raises(SystemExit, match="pass --grid FILE.csv"):
+        cost.main(["--sections", "grid"])
 
 
 def test_combined_scripts_second_example_runs_as_written(capsys):
