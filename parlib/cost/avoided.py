@@ -126,11 +126,27 @@ def pairs_table() -> str:
     return "\n".join(rows)
 
 
+def ptdp_band() -> tuple[float, float]:
+    """(lowest, highest) reported / predicted over the PTD-P rows run beside them."""
+    ratios = [run.ratio() for run in PTDP_RUNS]
+    return min(ratios), max(ratios)
+
+
+def zero3_held(est: Estimate) -> tuple[float, float] | None:
+    """For a ZeRO-3 layout whose data-parallel ranks span nodes (not HSDP): its predicted MFU
+    held to :func:`zero3_band`, (lowest, highest); None for any other layout."""
+    if est.zero != 3 or est.shard_group or est.links.get("dp") != "inter-node":
+        return None
+    low, high = zero3_band()
+    return low * est.mfu, high * est.mfu
+
+
 def zero3_caution(est: Estimate) -> str:
     """For a ZeRO-3 layout whose data-parallel ranks span nodes (not HSDP): a sentence with
     the band the published ZeRO-3 rows came in at and how many of their pairs the model
     ordered as measured; "" for any other layout."""
-    if est.zero != 3 or est.shard_group or est.links.get("dp") != "inter-node":
+    held = zero3_held(est)
+    if held is None:
         return ""
     low, high = zero3_band()
     agree = ordered_as_measured()
@@ -140,10 +156,9 @@ def zero3_caution(est: Estimate) -> str:
             f"{low:.2f}-{high:.2f} "
             f"of what it predicts for them, and it orders {agree} of {len(ZERO3_RUNS)} of "
             f"them as measured against the 3-D layout run beside them (parlib.cost.avoided); "
-            f"held to that band this one is "
-            f"{low * est.mfu:.0%}-{high * est.mfu:.0%} MFU.")
+            f"held to that band this one is {held[0]:.0%}-{held[1]:.0%} MFU.")
 
 
 __all__ = ["PTDP_ROWS", "PTDP_RUNS", "ZERO3_ROWS", "ZERO3_RUNS", "ordered_as_measured",
            "pairs", "pairs_table",
-           "ptdp_run", "zero3_band", "zero3_caution", "zero3_run"]
+           "ptdp_band", "ptdp_run", "zero3_band", "zero3_caution", "zero3_held", "zero3_run"]

@@ -35,7 +35,7 @@ MPT_SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 
               "13b": (40, 5120, 40), "30b": (48, 7168, 56), "70b": (80, 8192, 64)}
 # The trend target: per model, ratio at its largest GPU count within 15% of its smallest's.
 TARGET_TREND = 0.15
-# The in-band share the issue asks of these rows.
+# The in-band share the course asks of these rows.
 TARGET_SHARE = 0.8
 
 # "A100 40GB with 1600 Gbps node-node interconnect (RoCE)", sequence 2048, all rows:
@@ -203,6 +203,12 @@ def most_matmul(generation: str) -> float:
                for e in (r.estimate() for r in published_rows(generation)))
 
 
+def above_best(mfu: float, generation: str) -> float:
+    """How far a predicted ``mfu`` is above the best MFU published on ``generation``
+    (:func:`best_published`), as a fraction: 0.1 is 10% above it, negative below it."""
+    return mfu / best_published(generation).reported - 1
+
+
 def against_published(mfu: float, generation: str, est: Estimate | None = None) -> str:
     """One sentence holding a predicted ``mfu`` against the best MFU published on its
     ``generation`` (:func:`best_published`), and, when it is more than :data:`ABOVE_BEST`
@@ -214,9 +220,9 @@ def against_published(mfu: float, generation: str, est: Estimate | None = None) 
     whatever its MFU, it adds the band of the published ZeRO-3 runs at scale
     (:func:`parlib.cost.avoided.zero3_caution`)."""
     best = best_published(generation)
-    above = mfu / best.reported - 1
-    text = (f"predicted MFU {mfu:.0%} against the best published on {generation} among "
-            f"parlib's rows, {best.reported:.0%} ({best.name})")
+    above = above_best(mfu, generation)
+    text = (f"predicted MFU {mfu:.0%} against the best published on {generation} among the "
+            f"rows its shares are fitted to, {best.reported:.0%} ({best.name})")
     if above <= 0:
         text += ": at or below it."
     elif above <= ABOVE_BEST:
@@ -254,6 +260,6 @@ def foundry_table(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
 
 
 __all__ = ["A100_40GB_ROWS", "ABOVE_BEST", "FOUNDRY_RUNS", "H100_80GB_ROWS", "MPT_SHAPES",
-           "TARGET_SHARE", "TARGET_TREND", "a100_40gb", "against_published", "best_published",
-           "foundry_run", "foundry_table", "in_band_share", "most_matmul", "mpt",
+           "TARGET_SHARE", "TARGET_TREND", "a100_40gb", "above_best", "against_published",
+           "best_published", "foundry_run", "foundry_table", "in_band_share", "most_matmul", "mpt",
            "published_rows", "ratio_band", "trends"]

@@ -38,8 +38,9 @@ The file has a header row naming these columns (any order; other columns are ign
 - ``tokens_per_s_per_gpu``: what was measured; empty for a layout that did not run (out of
   memory, or failed).
 
-Each row is predicted with :func:`~parlib.cost.estimate.estimate` as the presets stand; nothing
-is fitted to the grid.
+Each row is predicted with :func:`~parlib.cost.estimate.estimate` as the presets stand
+(tensor parallelism with sequence parallelism, ZeRO over every data-parallel rank: HSDP's
+groups have no column); nothing is fitted to the grid.
 """
 
 from __future__ import annotations

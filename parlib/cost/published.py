@@ -22,7 +22,7 @@ from parlib.cost.hardware import Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 
-# The band the issue asks for: reported / predicted within 0.8-1.25 (a factor 1.25 either way).
+# The band the course asks for: reported / predicted within 0.8-1.25 (a factor 1.25 either way).
 TARGET_BAND = (0.8, 1.25)
 
 

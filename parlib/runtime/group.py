@@ -52,7 +52,7 @@ from parlib.runtime.stopping import SETTLE_S, DeadlockWatch, Stopping
 # The process group's own timeout, far beyond any call's: the launcher's deadline and the
 # kernel's interrupt are what end a stuck collective. A gloo timeout equal to the call's fired
 # inside the grace window and closed the group's connections, leaving ranks that looked
-# "stopped in Python" over a broken group (issue 26).
+# "stopped in Python" over a broken group.
 PG_TIMEOUT_S = 365 * 24 * 3600.0
 
 _announced = False
