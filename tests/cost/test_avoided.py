@@ -11,8 +11,10 @@ from parlib.cost.avoided import (
     ordered_as_measured,
     pairs,
     pairs_table,
+    ptdp_band,
     zero3_band,
     zero3_caution,
+    zero3_held,
 )
 from parlib.cost.foundry import against_published, published_rows
 
@@ -81,4 +83,14 @@ def test_the_caution_goes_with_zero3_across_nodes_only():
     hsdp = estimate(MODEL, Hardware.dgx_a100(16), Layout(dp=16), m=1, global_batch=16, zero=3,
                     shard_group=8)
     assert zero3_caution(inside) == zero3_caution(zero1) == zero3_caution(hsdp) == ""
+    # the band as numbers: the prediction times the lowest and highest ratio, or None
+    assert zero3_held(across) == pytest.approx((low * across.mfu, high * across.mfu))
+    assert zero3_held(inside) is zero3_held(zero1) is zero3_held(hsdp) is None
     assert "least sure" not in against_published(0.3, "A100", inside)
+
+
+def test_the_3d_layouts_band_is_their_rows_range():
+    ratios = [run.ratio() for run in PTDP_RUNS]
+    assert ptdp_band() == (min(ratios), max(ratios))
+    # what the combining chapter and the README state of PTD-P: 1.04-1.08 of its predictions
+    assert ptdp_band() == pytest.approx((1.04, 1.08), abs=0.005)

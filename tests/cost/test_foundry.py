@@ -114,3 +114,12 @@ def test_a_step_beyond_the_fitted_rows_matmul_share_is_said_to_be():
     text = against_published(best_published("A100").reported * 1.5, "A100", est)
     assert (f"Its step is 100% matmul; the most of any of those runs is {tested:.0%}: this one "
             "is beyond what the shares were tested on.") in text
+
+
+def test_above_best_is_the_share_over_the_best_published():
+    from parlib.cost.foundry import above_best, best_published
+
+    best = best_published("H100").reported
+    assert above_best(best * 1.1, "H100") == pytest.approx(0.1)
+    assert above_best(best, "H100") == pytest.approx(0.0)
+    assert above_best(best / 2, "H100") == pytest.approx(-0.5)
