@@ -115,6 +115,9 @@ class ClusterScore:
 
 @dataclass(frozen=True)
 class GridScore:
+    """``clusters``: those where at least one layout ran; ``rate_ratios``: measured / predicted
+    MFU of every row that ran; the memory disagreements over every row."""
+
     clusters: tuple[ClusterScore, ...]
     rate_ratios: tuple[float, ...]
     ran_not_fitting: tuple[GridRow, ...]
@@ -277,10 +280,11 @@ def score_grid(rows: Iterable[GridRow]) -> GridScore:
     clusters: dict[tuple[str, int], list[GridRow]] = {}
     for row in rows:
         clusters.setdefault((row.model.name, row.hardware.n_devices), []).append(row)
-    scored = tuple(_cluster(c) for c in clusters.values()
-                   if any(r.measured is not None for r in c))
+    every = [_cluster(c) for c in clusters.values()]
+    # a cluster where nothing ran has no best to hold a pick to, but its memory verdicts count
+    scored = tuple(c for c in every if any(r.measured is not None for r in c.rows))
     rates, ran_not_fitting, fitting_not_run = [], [], []
-    for c in scored:
+    for c in every:
         for row, est in zip(c.rows, c.estimates):
             if row.measured is not None:
                 rates.append(row.measured_mfu / est.mfu)

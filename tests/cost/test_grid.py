@@ -97,6 +97,15 @@ def test_a_pick_that_did_not_run_scores_zero():
     assert "(did not run)" in grid_table(score)
 
 
+def test_a_gpu_count_where_nothing_ran_is_no_cluster_but_its_memory_counts():
+    # 32 GPUs: every layout left empty, as if the nodes had never come up
+    extra = "".join(f"\n{SHAPE},dgx_h100,32,{32 // s},{t},{p},1,1,{mb},128,{z},{rc},true,unfused,,"
+                    for s, t, p, mb, z, rc in LAYOUTS)
+    score = score_grid(read_grid(grid_text(extra=extra)))
+    assert [c.gpus for c in score.clusters] == [8, 16]
+    assert [r.line for r in score.fitting_not_run] == [12, 13, 14, 15, 16]
+
+
 def test_a_layout_that_ran_though_the_model_says_it_does_not_fit_is_counted():
     # no ZeRO on 8 GPUs: 8B parameters x 16 bytes each on every GPU, over 80 GB
     extra = f"\n{SHAPE},dgx_h100,8,8,1,1,1,1,1,32,0,full,true,unfused,,1000"
