@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ HARDWARE: dict[str, Callable[[int], Hardware]] = {
     "dgx_a100": Hardware.dgx_a100, "dgx_h100": Hardware.dgx_h100,
     "dgx_h200": Hardware.dgx_h200}
 RECOMPUTE = {"none": False, "selective": "selective", "full": True, "op": "op"}
+_RECOMPUTE_NAMES = {mode: name for name, mode in RECOMPUTE.items()}
 _SHAPE = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")
 _AXES = ("dp", "tp", "pp", "cp")
 COLUMNS = ("model", *_SHAPE, "gated", "hardware", "gpus", *_AXES, "v", "micro_batch",
@@ -183,10 +185,9 @@ def _row(fields: dict[str, str], line: int) -> GridRow:
                           f"{fields['hardware']!r}")
     gpus = _whole(fields["gpus"], "gpus", line)
     sizes = {a: _whole(fields[a], a, line) for a in _AXES}
-    if sizes["dp"] * sizes["tp"] * sizes["pp"] * sizes["cp"] != gpus:
+    if math.prod(sizes.values()) != gpus:
         raise _fail(line, f"dp x tp x pp x cp = {sizes} multiply to "
-                          f"{sizes['dp'] * sizes['tp'] * sizes['pp'] * sizes['cp']}, not "
-                          f"gpus = {gpus}")
+                          f"{math.prod(sizes.values())}, not gpus = {gpus}")
     micro, batch = (_whole(fields[c], c, line) for c in ("micro_batch", "global_batch"))
     if batch % (sizes["dp"] * micro):
         raise _fail(line, f"global_batch {batch} is not a multiple of dp x micro_batch = "
@@ -295,13 +296,10 @@ def score_grid(rows: Iterable[GridRow]) -> GridScore:
     return GridScore(scored, tuple(rates), tuple(ran_not_fitting), tuple(fitting_not_run))
 
 
-def _label(row: GridRow) -> str:
+def _label(row: GridRow, est: Estimate) -> str:
     """A row as the table names it: layout, microbatch, recomputation, ZeRO, line."""
-    settings = row.settings
-    micro = settings["global_batch"] // (row.layout.dp * settings["m"])
-    recompute = {repr(v): k for k, v in RECOMPUTE.items()}[repr(settings["recompute"])]
-    return (f"{row.layout} micro {micro} recompute {recompute} ZeRO-{settings['zero']}, "
-            f"line {row.line}")
+    return (f"{row.layout} micro {est.micro_batch} recompute "
+            f"{_RECOMPUTE_NAMES[est.recompute]} ZeRO-{est.zero}, line {row.line}")
 
 
 def grid_table(score: GridScore) -> str:
@@ -312,7 +310,7 @@ def grid_table(score: GridScore) -> str:
     for c in score.clusters:
         corr = "-" if c.correlation is None else f"{c.correlation:.2f}"
         pick = "none fits" if c.pick is None else (
-            _label(c.rows[c.pick])
+            _label(c.rows[c.pick], c.estimates[c.pick])
             + ("" if c.rows[c.pick].measured is not None else " (did not run)"))
         lines.append(f"{c.model:<20} {c.gpus:>5} {len(c.rows):>4} "
                      f"{sum(r.measured is not None for r in c.rows):>4} {corr:>8} "

@@ -234,11 +234,6 @@ BIGSCIENCE_0221 = Sweep(
 SWEEPS = (BIGSCIENCE_0225, BIGSCIENCE_0221)
 
 
-def micro_batch(point: SweepPoint) -> int:
-    """Sequences per microbatch of a sweep point: global batch / (dp x m)."""
-    return point.settings["global_batch"] // (point.layout.dp * point.settings["m"])
-
-
 def microbatch_lean(sweeps: tuple[Sweep, ...] = SWEEPS) -> list[tuple[str, float]]:
     """Per layout (one DP x TP x PP of one sweep) measured at two or more microbatch sizes:
     its label and measured / predicted step time at its smallest microbatch over the same at
@@ -249,7 +244,7 @@ def microbatch_lean(sweeps: tuple[Sweep, ...] = SWEEPS) -> list[tuple[str, float
         by_layout: dict[Layout, list[tuple[int, float, str]]] = {}
         for point, est in zip(sweep.points, sweep.estimates()):
             by_layout.setdefault(point.layout, []).append(
-                (micro_batch(point), point.seconds_per_step / est.step_time, point.label))
+                (est.micro_batch, point.seconds_per_step / est.step_time, point.label))
         for rows in by_layout.values():
             if len(rows) > 1:
                 (_, small, label), (_, large, _) = min(rows), max(rows)
@@ -290,6 +285,6 @@ def ranking_table(sweeps: tuple[Sweep, ...] = SWEEPS) -> str:
 
 
 __all__ = ["BIGSCIENCE_0221", "BIGSCIENCE_0225", "JEAN_ZAY", "SWEEPS", "TARGET_CORRELATION",
-           "TARGET_PICK", "Sweep", "SweepPoint", "micro_batch", "microbatch_lean", "ranking_table",
-           "ranks", "spearman",
+           "TARGET_PICK", "Sweep", "SweepPoint", "microbatch_lean", "ranking_table", "ranks",
+           "spearman",
            "sweep_table"]

@@ -24,7 +24,6 @@ from parlib.cost.sweeps import (
     SWEEPS,
     Sweep,
     SweepPoint,
-    micro_batch,
     microbatch_lean,
     ranking_table,
     ranks,
@@ -155,17 +154,16 @@ def test_the_microbatch_lean_compares_one_layout_at_its_smallest_and_largest_mic
     ests = base.estimates()
     # measured at the prediction times 1.2 at the smallest microbatch, 1.0 at the largest,
     # 1.5 in between (which the lean does not read)
-    smallest = {p.layout: min(micro_batch(q) for q in base.points if q.layout == p.layout)
-                for p in base.points}
-    largest = {p.layout: max(micro_batch(q) for q in base.points if q.layout == p.layout)
-               for p in base.points}
+    sizes = [(p.layout, e.micro_batch) for p, e in zip(base.points, ests)]
+    smallest = {layout: min(mbs for lay, mbs in sizes if lay == layout) for layout, _ in sizes}
+    largest = {layout: max(mbs for lay, mbs in sizes if lay == layout) for layout, _ in sizes}
 
-    def factor(point):
-        mbs = micro_batch(point)
+    def factor(point, est):
+        mbs = est.micro_batch
         return 1.2 if mbs == smallest[point.layout] else 1.0 if mbs == largest[point.layout] \
             else 1.5
     toy = dataclasses.replace(base, points=tuple(
-        dataclasses.replace(p, seconds_per_step=factor(p) * e.step_time)
+        dataclasses.replace(p, seconds_per_step=factor(p, e) * e.step_time)
         for p, e in zip(base.points, ests)))
     lean = microbatch_lean((toy,))
     assert [label for label, _ in lean] == ["DP4 TP8 PP12 MBS1 GBS2048",
