@@ -39,6 +39,8 @@ Built on them, the choosing chapter's cost model:
   their rates and whether each layout fits, beside a layout that ran out of memory.
 - :mod:`parlib.cost.avoided`: a layout experts avoid (ZeRO-3 alone on hundreds of GPUs)
   measured beside the one they chose, held against the model.
+- :mod:`parlib.cost.launches`: what serial kernel launches (``CUDA_LAUNCH_BLOCKING=1``) add
+  to every layer pass, from the one pair of readings that measured it (BigScience's).
 - :mod:`parlib.cost.sweeps`: published layout sweeps, the model's order against the measured.
 - :mod:`parlib.cost.grid`: a grid of layouts someone measured (a CSV file), scored against
   the model: the order within each cluster size, the model's pick, the rate, the memory.

@@ -149,8 +149,8 @@ ZERO3_WITH_PIPELINE = (
     "for every microbatch's forward and backward, on the links the pipeline uses too "
     "(DeepSpeed refuses the combination); use zero=1 or zero=2 with a pipeline")
 # they sum to a step
-STEP_PARTS = ("compute", "memory_bound", "tp_comm", "cp_comm", "ep_comm", "pp_bubble",
-              "pp_send", "dp_sync", "optimizer")
+STEP_PARTS = ("compute", "memory_bound", "host", "tp_comm", "cp_comm", "ep_comm",
+              "pp_bubble", "pp_send", "dp_sync", "optimizer")
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "pipeline_in_flight")
 
 
@@ -162,8 +162,9 @@ class Estimate:
     grads, optimizer, activations (one microbatch), pipeline_in_flight (the others held).
     ``time`` holds the parts of a step, which add up to ``step_time``: compute (FLOPs at
     the achievable rate), memory_bound (norms, softmax, elementwise, the loss over the
-    logits: bytes over memory bandwidth), tp_comm, cp_comm (the exposed part of ring
-    attention's K/V traffic),
+    logits: bytes over memory bandwidth), host (the host's time the GPU waits for, where
+    launches are serial: ``host_seconds_per_layer``), tp_comm, cp_comm (the exposed part of
+    ring attention's K/V traffic),
     ep_comm (the experts' all-to-alls), pp_bubble, pp_send and dp_sync (the exposed part of
     the gradient sync), optimizer (Adam's memory-bound pass over this rank's optimizer
     state, once a step), and beside them cp_comm_total, cp_comm_hidden, dp_sync_total and
@@ -283,7 +284,8 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
              dp_overlap: bool = True, replicated_head: bool = False,
              extra_recompute_flops_per_token: float = 0.0,
              grad_reduce_bytes: int | None = None, fused_attention: bool = False,
-             shard_group: int | None = None, loss: str = "unfused") -> Estimate:
+             shard_group: int | None = None, loss: str = "unfused",
+             host_seconds_per_layer: float = 0.0) -> Estimate:
     """Predict one layout, e.g. ``Layout(dp=8, tp=8)`` (a mapping of axis sizes is taken as
     one): m microbatches per step per data-parallel rank, ``global_batch`` sequences per
     step, v model chunks per pipeline rank (v > 1: the interleaved schedule).
@@ -321,6 +323,11 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     of the d x c data-parallel ranks (best inside a node), the d x c / s copies replicated:
     the gathers and reduce-scatters run in the shard group, then one all-reduce of each
     unit's 1/s gradient piece across the copies (:func:`hsdp_collectives`).
+    ``host_seconds_per_layer``: seconds the GPU waits for the host on every layer pass of
+    every microbatch (forward, recomputation and backward together), charged as ``host`` on
+    the critical path, so the pipeline's bubble grows with it: what serial kernel launches
+    (``CUDA_LAUNCH_BLOCKING=1``) expose (:mod:`parlib.cost.launches`). 0, the default: the
+    host queues kernels ahead of the GPU and its time hides.
     Raises ValueError naming the problem for a layout that cannot exist.
     """
     check_inputs(model, hardware)
@@ -351,11 +358,16 @@ def estimate(model: Model, hardware: Hardware, layout: Layout, *, m: int,
     if shard_group is not None:
         check_hsdp(layout, zero, shard_group)
     check_loss(loss)
+    host = host_seconds_per_layer
+    if isinstance(host, bool) or not isinstance(host, (int, float)) or not host >= 0:
+        raise ValueError(f"host_seconds_per_layer must be a number of seconds >= 0, got "
+                         f"{host!r}")
     est = _evaluate(model, hardware, layout, m, v, global_batch, zero, recompute,
                     sequence_parallel, mixed_precision, dp_overlap,
                     replicated_head=replicated_head, extra_recompute_flops_per_token=extra,
                     grad_reduce_bytes=grad_reduce_bytes, fused_attention=fused_attention,
-                    shard_group=shard_group or 0, loss=loss)
+                    shard_group=shard_group or 0, loss=loss,
+                    host_seconds_per_layer=host)
     est.reason = est.describe()
     return est
 
@@ -524,7 +536,8 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
               extra_recompute_flops_per_token: float = 0.0,
               grad_reduce_bytes: int | None = None,
               fused_attention: bool = False, shard_group: int = 0,
-              loss: str = "unfused") -> Estimate | None:
+              loss: str = "unfused", host_seconds_per_layer: float = 0.0
+              ) -> Estimate | None:
     """The estimate, inputs already checked (the planner calls this directly, with
     ``only_if_fits``: None, before any time is worked out, when the memory does not fit).
     One helper per part, in the order of a step: memory, compute, memory-bound work and
@@ -545,7 +558,8 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     cp_total, cp_hidden, cp_bytes = _context_parallel(step)
     ep_comm, ep_bytes = _expert_parallel(step)
     busy = compute + memory_bound + tp_comm + (cp_total - cp_hidden) + ep_comm
-    pp_bubble, pp_send, pp_bytes = _pipeline(step, busy, compute, stage_compute)
+    host = host_seconds_per_layer * step.m * step.slowest  # the busiest stage's passes
+    pp_bubble, pp_send, pp_bytes = _pipeline(step, busy + host, compute, stage_compute)
     dp_total, dp_hidden, dp_bytes = _data_parallel(
         step, busy, (model_flops, hardware_flops), params_per_device, experts_per_device,
         grad_reduce_bytes)
@@ -555,7 +569,8 @@ def _evaluate(model: Model, hardware: Hardware, layout: Layout, m: int, v: int,
     # overlap_slowdown of themselves again (charged with the part they hide in)
     dp_slowdown = hardware.overlap_slowdown * dp_hidden
     cp_slowdown = hardware.overlap_slowdown * cp_hidden
-    time = {"compute": compute, "memory_bound": memory_bound, "tp_comm": tp_comm,
+    time = {"compute": compute, "memory_bound": memory_bound, "host": host,
+            "tp_comm": tp_comm,
             "cp_comm": cp_total - cp_hidden + cp_slowdown, "ep_comm": ep_comm,
             "cp_comm_total": cp_total, "cp_comm_hidden": cp_hidden,
             "cp_overlap_cost": cp_slowdown, "pp_bubble": pp_bubble,

@@ -17,6 +17,7 @@ from parlib.cost.memory import check_loss
 from parlib.cost.model import Model
 
 _WHY_FASTER = {"compute": "less compute", "memory_bound": "fewer bytes through memory",
+               "host": "fewer layer passes waiting on the host",
                "tp_comm": "less tensor-parallel traffic",
                "cp_comm": "less exposed ring-attention traffic",
                "ep_comm": "less expert all-to-all traffic",
@@ -167,6 +168,7 @@ def _zero_stages(layout: Layout) -> tuple[int, ...]:
 
 # What each step part waits on, as the planner names the constraint that binds.
 _CONSTRAINT = {"compute": "compute", "memory_bound": "memory bandwidth",
+               "host": "the host's serial kernel launches",
                "tp_comm": "the tensor-parallel link", "cp_comm": "the context-parallel link",
                "ep_comm": "the expert-parallel link", "pp_bubble": "the pipeline bubble",
                "pp_send": "the pipeline link", "dp_sync": "the data-parallel link",

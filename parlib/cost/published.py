@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from parlib.cost.estimate import Estimate, estimate
 from parlib.cost.hardware import Hardware
+from parlib.cost.launches import SERIAL_LAUNCH_SECONDS_PER_LAYER
 from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 
@@ -223,17 +224,19 @@ BLOOM_RUN = PublishedRun(
     hardware=JEAN_ZAY_A100,
     layout=Layout(dp=8, tp=4, pp=12),
     settings=dict(m=128, global_batch=2048, zero=1, recompute=True, sequence_parallel=False,
-                  loss="in_place"),
+                  loss="in_place", host_seconds_per_layer=SERIAL_LAUNCH_SECONDS_PER_LAYER),
     metric="hfu", reported=150.05 / 312, reported_tflops_per_device=150.05,
     assumed=("70 layers in 12 stages, the first and last one layer short (BigScience gave "
              "the embeddings those slots); vocabulary padded to 250,880; ZeRO-1; 1F1B, v = 1; "
+             "serial kernel launches (CUDA_LAUNCH_BLOCKING=1, set against hangs on 40+ "
+             "nodes) at parlib.cost.launches' floor of 3.49 ms a microbatch-layer; "
              "the Jean Zay network as BigScience measured it (an all-reduce's 5.06 GB/s "
              "of bus bandwidth over 4 nodes: what a node's rings share), NVLink as a "
              "DGX's"),
     cannot_know=("the 4-link NVLink of a Jean Zay node (not a DGX's NVSwitch); a rate read "
-                 "from one benchmark iteration, perhaps with CUDA_LAUNCH_BLOCKING=1 (serial "
-                 "kernel launches, set against hangs; the chronicles measured it at 91 against "
-                 "97 TFLOPs on 80 GPUs and no difference on 160)"))
+                 "from one benchmark iteration; how much of the host's time serial launches "
+                 "expose beyond the floor (the chronicles measured them at 91 against 97 "
+                 "TFLOPs on 80 GPUs and no difference on 160)"))
 
 
 # Zhang et al. 2022, "OPT: Open Pre-trained Transformer Language Models", Sec. 2.4: 992

@@ -19,21 +19,26 @@ Jean Zay's network is the one BigScience measured (:meth:`Hardware.jean_zay_a100
 rings share 5.06 GB/s), so a TP 8 layout, whose eight data-parallel groups leave each node at
 once, pays its gradient sync at an eighth of it per group; with the datasheet's 6.25 GB/s
 per GPU, and each rank's share of a ring charged to its own NIC, the measured steps were
-1.3-1.7x the predicted ones. Now they are 0.80-1.05x on the 02-25 tables and 0.92-1.12x on
+1.3-1.7x the predicted ones. Now they are 0.77-1.00x on the 02-25 tables and 0.90-1.03x on
 the 02-21 one (before that day's PCI-Express fix), with the A100's training fractions
 (:mod:`parlib.cost.calibration`, fitted to the published rows, not to these sweeps).
 
-What the model cannot know about BigScience's runs: the excess depends on the number of
-microbatches: on the TP 8 sweep a least-squares line through its 7 points gives about -8.9 s
-plus 6.9 ms per microbatch per layer of a stage (a diagnosis, used nowhere; -8.5 s plus 7.0 ms
-with every collective at the link's large-message rate: charging each at its message size's
-bus bandwidth explains little of it). The model charges a matmul's shape (bigger microbatches
-run nearer the best rate), so it still ranks small microbatches too high. A fixed cost per
-kernel or message (framework and launch overheads of early 2022's Megatron-DeepSpeed) would
-not account for it either: along the TP 8 sweep, beyond what the model predicts, MBS 1 -> 2
-saved 3.8-4.4 ms per microbatch-layer no longer run, MBS 2 -> 4 14.0-16.0 ms, and MBS 4 -> 8
-5.0 ms. A constant cost per call would save the same at every step; this is a rate that
-rises with the microbatch up to MBS 4, more steeply than the waves of
+Every one of these runs launched its kernels serially: on 40 or more nodes BigScience's jobs
+hung without ``CUDA_LAUNCH_BLOCKING=1``, and every sweep here ran on 48. So each layer pass
+of each microbatch waits for the host as well as for the GPU, and the model charges the
+floor BigScience's own readings put on that wait, 3.49 ms a microbatch-layer
+(:mod:`parlib.cost.launches`: measured on another table, the 80-GPU pair, not on these
+sweeps). A GPU waits for it once per layer pass, and runs GBS x L / (d x p x MBS) passes a
+step: more at larger t (fewer d x p on the same GPUs) and at smaller microbatches, the
+layouts the model's shape-only order ranked too high.
+Without it the correlations were 0.56 and -0.14 and the TP 8 sweep's pick reached 0.91 of
+the best.
+
+What the model still cannot know about BigScience's runs: along the TP 8 sweep, beyond what
+the model predicts, MBS 1 -> 2 saved 0.3-0.9 ms per microbatch-layer no longer run and
+MBS 4 -> 8 1.6 ms, both near nothing, but MBS 2 -> 4 10.5-12.5 ms (before the serial
+launches were charged: 3.8-4.4, 14.0-16.0 and 5.0 ms). A cost per call saves the same at
+every step; this one step is something else, steeper than the waves of
 :func:`~parlib.cost.efficiency.matmul_time` say. (With the last wave charged whole, the
 guide's ceiling, instead of half of it, the sweeps' correlations would be higher; the half
 wave was chosen before the sweeps were seen, and stays.)
@@ -41,10 +46,11 @@ wave was chosen before the sweeps were seen, and stays.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parlib.cost.estimate import Estimate, estimate
 from parlib.cost.hardware import Hardware
+from parlib.cost.launches import SERIAL_LAUNCH_SECONDS_PER_LAYER
 from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 
@@ -96,6 +102,12 @@ class Sweep:
     def estimates(self) -> list[Estimate]:
         return [estimate(self.model, self.hardware, p.layout, **p.settings)
                 for p in self.points]
+
+    def with_settings(self, **changes: object) -> Sweep:
+        """The same sweep with every point's estimate settings changed, to see what one term
+        does to the ranking, e.g. ``with_settings(host_seconds_per_layer=0.0)``."""
+        return replace(self, points=tuple(
+            replace(p, settings={**p.settings, **changes}) for p in self.points))
 
     def predicted(self, estimates: list[Estimate] | None = None) -> list[float]:
         """Predicted throughput of each point: sequences per second."""
@@ -164,8 +176,10 @@ JEAN_ZAY = Hardware.jean_zay_a100(384)
 _BIGSCIENCE = "bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md"
 _BIGSCIENCE_PRECISION = ("Sec/it to 0.01 s, one reading (iteration 2) per layout; the table "
                          "repeats DP 8 TP 4 PP 12 MBS 2 at 110.48 s and 113.54 s: ~3% noise")
-_BIGSCIENCE_ASSUMED = ("full activation recomputation and ZeRO-1, as the production script "
-                       "(tr11-176B-ml.slurm) has them; 1F1B (v = 1); no sequence parallelism; "
+_BIGSCIENCE_ASSUMED = ("full activation recomputation, ZeRO-1 and serial kernel launches "
+                       "(CUDA_LAUNCH_BLOCKING=1), as the production script (tr11-176B-ml.slurm) "
+                       "has them, the launches at parlib.cost.launches' floor of 3.49 ms a "
+                       "microbatch-layer; 1F1B (v = 1); no sequence parallelism; "
                        "the '250k' vocabulary as the script's padded 250,880; the network as "
                        "BigScience's all-reduce benchmark measured it (5.06 GB/s of bus "
                        "bandwidth over 4 nodes: what a node's rings share)")
@@ -177,7 +191,8 @@ def _point(dp: int, tp: int, pp: int, mbs: int, gbs: int, seconds: float) -> Swe
     return SweepPoint(
         layout=Layout(dp=dp, tp=tp, pp=pp),
         settings=dict(m=gbs // (dp * mbs), global_batch=gbs, zero=1, recompute=True,
-                      sequence_parallel=False, loss="in_place"),
+                      sequence_parallel=False, loss="in_place",
+                      host_seconds_per_layer=SERIAL_LAUNCH_SECONDS_PER_LAYER),
         seconds_per_step=seconds, label=f"DP{dp} TP{tp} PP{pp} MBS{mbs} GBS{gbs}")
 
 

@@ -11,8 +11,11 @@ network as BigScience measured it (a node's rings share 5.06 GB/s; the datasheet
 per GPU), ring collectives sharing a node's links (parlib.cost.hardware.Hardware.ring_link)
 and NVLink at the A100's measured 78%: 0.55 with the pick the measured best over the 17
 layouts, -0.14 with the pick at 0.91 over the 7 (the TP 8 sweep, all one t, where the
-model's microbatch ordering is all that differs). Still short of the targets; the guards
-below are set at that level.
+model's microbatch ordering is all that differs). Charging the serial kernel launches these
+48-node runs used (CUDA_LAUNCH_BLOCKING=1) at the floor BigScience's 80-GPU readings put on
+them (parlib.cost.launches, 3.49 ms a microbatch-layer): 0.65 and 0.68, the picks at 1.00
+and 0.98 of the best. The issue's targets for these sweeps (0.6 each, nothing fitted to
+them) are met, the course's own (0.8) not; the guards below are the issue's.
 """
 
 import dataclasses
@@ -31,15 +34,10 @@ from parlib.cost.sweeps import (
     sweep_table,
 )
 
-# Today's figures (see the docstring): regression guards, not the targets. Charging each
-# collective at its message size's bandwidth (collectives.size_efficiency) moved them from
-# 0.55 and -0.14 to 0.49 and -0.07 (0.53 and -0.04 once its half size was fitted under the
-# model's own latency): the 17-layout guard went down to 0.45 with it, the 7-layout one up to
-# -0.1. The A100's fitted training fractions (parlib.cost.calibration) moved them to 0.56 and
-# -0.14 (one more pair of the 7 out of order): the 7-layout guard is -0.15.
-CORRELATION_AT_LEAST = {"BigScience 181B, 384 A100: DP x TP x PP x MBS": 0.45,
-                        "BigScience 181B, 384 A100: PP x MBS at TP 8": -0.15}
-PICK_AT_LEAST = 0.9
+# Today's figures (see the docstring): 0.65 and 0.68, the picks 1.00 and 0.98. Before the
+# serial launches were charged: 0.56 and -0.14, the TP 8 sweep's pick 0.91.
+CORRELATION_AT_LEAST = 0.6
+PICK_AT_LEAST = 0.95
 
 
 def test_ranks_average_ties():
@@ -82,8 +80,35 @@ def test_ranking_does_not_regress(sweep):
     ests = sweep.estimates()
     rho, pick = sweep.correlation(ests), sweep.top_pick_ratio(ests)
     print(f"\n{sweep.name}: spearman {rho:.2f}, pick/best {pick:.2f}")
-    assert rho >= CORRELATION_AT_LEAST[sweep.name]
+    assert rho >= CORRELATION_AT_LEAST
     assert pick >= PICK_AT_LEAST
+
+
+def _without_serial_launches(sweep: Sweep) -> Sweep:
+    return sweep.with_settings(host_seconds_per_layer=0.0)
+
+
+def test_with_settings_changes_every_point_and_nothing_else():
+    base = SWEEPS[1]
+    changed = base.with_settings(host_seconds_per_layer=1.0, zero=0)
+    assert [p.label for p in changed.points] == [p.label for p in base.points]
+    for old, new in zip(base.points, changed.points):
+        assert new.settings == {**old.settings, "host_seconds_per_layer": 1.0, "zero": 0}
+        assert (new.layout, new.seconds_per_step) == (old.layout, old.seconds_per_step)
+    assert base.points[0].settings["host_seconds_per_layer"] < 1.0  # the original is kept
+    with pytest.raises(ValueError, match="zero must be"):
+        base.with_settings(zero=5).estimates()
+
+
+def test_the_serial_launches_are_what_lift_the_ranking():
+    # without them the TP 8 sweep ranks no better than chance (-0.14) and its pick misses
+    # the best by 9%: the term, measured on another table, is what the guards rest on
+    from parlib.cost.sweeps import BIGSCIENCE_0221, BIGSCIENCE_0225
+    assert _without_serial_launches(BIGSCIENCE_0221).correlation() < 0
+    assert _without_serial_launches(BIGSCIENCE_0221).top_pick_ratio() < 0.92
+    assert _without_serial_launches(BIGSCIENCE_0225).correlation() < CORRELATION_AT_LEAST
+    for sweep in SWEEPS:
+        assert all(p.settings["host_seconds_per_layer"] > 0 for p in sweep.points)
 
 
 def _toy_sweep(seconds: list[float]) -> Sweep:
@@ -130,23 +155,28 @@ def test_bad_sweeps_are_refused():
         dataclasses.replace(SWEEPS[0], points=(point, point))
 
 
-def test_the_unexplained_microbatch_saving_is_not_a_fixed_cost_per_call():
-    # the module docstring's diagnosis: beyond what the model predicts, doubling the
-    # microbatch saves more per microbatch-layer no longer run from MBS 2 to 4 than from 1 to
-    # 2 or from 4 to 8; a constant cost per call would save the same at each step
+def test_what_serial_launches_leave_unexplained_is_the_step_from_mbs_2_to_4():
+    # the module docstring's diagnosis: beyond what the model predicts, along the TP 8
+    # sweep, per microbatch-layer no longer run, MBS 1 -> 2 and 4 -> 8 now save next to
+    # nothing (serial launches charged: 3.8-4.4 and 5.0 ms before), MBS 2 -> 4 10.5-12.5 ms
+    # (14.0-16.0 before)
     from parlib.cost.sweeps import BIGSCIENCE_0221 as sweep
-    ests = sweep.estimates()
 
-    def excess_ms(a: int, b: int) -> float:
+    def excess_ms(sweep: Sweep, a: int, b: int) -> float:
+        ests = sweep.estimates()
         measured = sweep.points[a].seconds_per_step - sweep.points[b].seconds_per_step
         predicted = ests[a].step_time - ests[b].step_time
         fewer = (ests[a].m - ests[b].m) * max(ests[a].stage_layers)
         return 1000 * (measured - predicted) / fewer
 
+    before = _without_serial_launches(sweep)
     for one, two, four in ((0, 1, 2), (4, 5, 6)):  # PP 12 and PP 6, MBS 1, 2, 4
-        assert 3.5 < excess_ms(one, two) < 5.0
-        assert 13.0 < excess_ms(two, four) < 16.5
-    assert 0 < excess_ms(2, 3) < excess_ms(1, 2) / 2  # PP 12, MBS 4 -> 8
+        assert 0 < excess_ms(sweep, one, two) < 1.0
+        assert 3.5 < excess_ms(before, one, two) < 5.0
+        assert 10.0 < excess_ms(sweep, two, four) < 13.0
+        assert 13.0 < excess_ms(before, two, four) < 16.5
+    assert 0 < excess_ms(sweep, 2, 3) < 2.0  # PP 12, MBS 4 -> 8
+    assert 4.5 < excess_ms(before, 2, 3) < 5.5
 
 
 def test_the_microbatch_lean_compares_one_layout_at_its_smallest_and_largest_microbatch():
@@ -170,7 +200,8 @@ def test_the_microbatch_lean_compares_one_layout_at_its_smallest_and_largest_mic
                                             "DP8 TP8 PP6 MBS1 GBS2048"]
     assert [x for _, x in lean] == pytest.approx([1.2, 1.2])
     # BigScience's own: the smaller microbatch ran further over its prediction in 7 of 9
-    # layouts, up to 1.17x (the choosing chapter prints it)
+    # layouts, up to 1.09x (the choosing chapter prints it; 1.17x before the serial
+    # launches were charged)
     measured = [x for _, x in microbatch_lean()]
     assert len(measured) == 9 and sum(x > 1 for x in measured) == 7
-    assert max(measured) == pytest.approx(1.17, abs=0.01)
+    assert max(measured) == pytest.approx(1.09, abs=0.01)
