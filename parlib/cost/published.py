@@ -229,7 +229,8 @@ BLOOM_RUN = PublishedRun(
     assumed=("70 layers in 12 stages, the first and last one layer short (BigScience gave "
              "the embeddings those slots); vocabulary padded to 250,880; ZeRO-1; 1F1B, v = 1; "
              "serial kernel launches (CUDA_LAUNCH_BLOCKING=1, set against hangs on 40+ "
-             "nodes) at parlib.cost.launches' floor of 3.49 ms a microbatch-layer; "
+             "nodes) at parlib.cost.launches' floor of "
+             f"{SERIAL_LAUNCH_SECONDS_PER_LAYER * 1e3:.2f} ms a microbatch-layer; "
              "the Jean Zay network as BigScience measured it (an all-reduce's 5.06 GB/s "
              "of bus bandwidth over 4 nodes: what a node's rings share), NVLink as a "
              "DGX's"),

@@ -178,7 +178,8 @@ _BIGSCIENCE_PRECISION = ("Sec/it to 0.01 s, one reading (iteration 2) per layout
                          "repeats DP 8 TP 4 PP 12 MBS 2 at 110.48 s and 113.54 s: ~3% noise")
 _BIGSCIENCE_ASSUMED = ("full activation recomputation, ZeRO-1 and serial kernel launches "
                        "(CUDA_LAUNCH_BLOCKING=1), as the production script (tr11-176B-ml.slurm) "
-                       "has them, the launches at parlib.cost.launches' floor of 3.49 ms a "
+                       "has them, the launches at parlib.cost.launches' floor of "
+                       f"{SERIAL_LAUNCH_SECONDS_PER_LAYER * 1e3:.2f} ms a "
                        "microbatch-layer; 1F1B (v = 1); no sequence parallelism; "
                        "the '250k' vocabulary as the script's padded 250,880; the network as "
                        "BigScience's all-reduce benchmark measured it (5.06 GB/s of bus "
