@@ -21,12 +21,15 @@ the runs slow as they spread).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from parlib.cost.avoided import zero3_caution
 from parlib.cost.estimate import Estimate
 from parlib.cost.hardware import GB, Hardware
 from parlib.cost.layout import Layout
 from parlib.cost.model import Model
 from parlib.cost.published import MOSAIC_RUNS, RUNS, TARGET_BAND, PublishedRun, comparison_table
+from parlib.cost.sweeps import spearman
 
 _SOURCE = "MosaicML llm-foundry, scripts/train/benchmarking/README.md"
 # (n_layers, d_model, n_heads) of scripts/train/yamls/pretrain/mpt-<size>.yaml
@@ -103,13 +106,16 @@ def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens
     activation checkpointing as full recomputation and none as "selective", attention fused
     either way (``fused_attention``: the README says "our models use Flash Attention", so no
     row streams s x s scores), MFU recomputed from T/s/GPU with our FLOPs per token.
-    The A100 table's "PURE" bf16 reduces gradients in bf16; the H100 table's "DEFAULT"
-    reduces them in fp32 (``grad_reduce_bytes=4``). A global batch that is not micro x
+    The A100 table's "PURE" bf16 reduces gradients in bf16; the H100 table's and the
+    microbatch sweep's (``generation`` "A100 80GB") "DEFAULT" reduces them in fp32
+    (``grad_reduce_bytes=4``). A global batch that is not micro x
     accum x GPUs (Composer's microbatching splits unevenly) is rounded to m = accum
     microbatches of the table's microbatch size."""
     model = mpt(size)
     if generation == "A100":
         hardware, mode, reduce = a100_40gb(gpus), "PURE", 2
+    elif generation == "A100 80GB":  # the microbatch sweep's nodes (DGX A100 80GB preset)
+        hardware, mode, reduce = Hardware.dgx_a100(gpus), "DEFAULT", 4
     else:
         hardware, mode, reduce = Hardware.dgx_h100(gpus), "DEFAULT", 4
     ours = tokens_per_gpu * model.flops_per_token / hardware.peak_flops
@@ -133,6 +139,61 @@ def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens
 
 FOUNDRY_RUNS = (tuple(foundry_run(*row, generation="A100") for row in A100_40GB_ROWS)
                 + tuple(foundry_run(*row, generation="H100") for row in H100_80GB_ROWS))
+
+
+# scripts/train/benchmarking/larger_mb_1.md (commit beb8dee): one node of 8 A100 80GB, FSDP
+# FULL_SHARD, no activation checkpointing, MP DEFAULT, sequence 2048, 2 microbatches a step,
+# only the microbatch size changed: (size, microbatch, T/s/GPU). Its 3b rows are left out: one
+# is a single size on A100 40GB, two offload activations to the CPU (no term here for that).
+MICROBATCH_SWEEP_ROWS = (("13b", 2, 2228), ("13b", 1, 1867),
+                         ("7b", 6, 4715), ("7b", 4, 4513), ("7b", 2, 4044), ("7b", 1, 3366))
+_SWEEP_SOURCE = "MosaicML llm-foundry, scripts/train/benchmarking/larger_mb_1.md (commit beb8dee)"
+
+
+def microbatch_run(size: str, micro: int, tokens_per_gpu: int) -> PublishedRun:
+    """One row of llm-foundry's microbatch sweep (:data:`MICROBATCH_SWEEP_ROWS`): 8 A100 80GB,
+    2 microbatches of ``micro`` sequences a step, as :func:`foundry_run` reads a table row."""
+    run = foundry_run(size, 8, micro, 2, micro * 2 * 8, tokens_per_gpu, False, "A100 80GB")
+    return replace(run, name=f"MPT {size}, 8 A100 80GB, microbatch {micro}",
+                   source=(f"{_SWEEP_SOURCE}: {size}, seq 2048, 8 A100 80GB, microbatch {micro},"
+                           f" accum 2, AC False, {tokens_per_gpu} T/s/GPU, MP DEFAULT"))
+
+
+# Not in FOUNDRY_RUNS: no fit of the training shares (parlib.cost.calibration) sees them.
+MICROBATCH_RUNS = tuple(microbatch_run(*row) for row in MICROBATCH_SWEEP_ROWS)
+
+
+def microbatch_sweep_lean(runs: tuple[PublishedRun, ...] = MICROBATCH_RUNS
+                    ) -> dict[str, tuple[int, int, float, float]]:
+    """Per model: (smallest microbatch, largest, lean, Spearman correlation of predicted and
+    reported tokens/s over its rows). The lean is measured / predicted step time at the
+    smallest microbatch over the same at the largest, the measure of
+    :func:`parlib.cost.sweeps.microbatch_lean`, so the two sources read alike: above 1, the
+    model charges the smaller microbatch too little against the larger."""
+    by_model: dict[str, list[tuple[int, float, float, float]]] = {}
+    for run in runs:
+        est = run.estimate()
+        by_model.setdefault(run.model.name, []).append(
+            (est.micro_batch, run.ratio(est), run.predicted(est), run.reported))
+    out = {}
+    for name, points in by_model.items():
+        points.sort()
+        if len(points) > 1:
+            (small, r_small, _, _), (large, r_large, _, _) = points[0], points[-1]
+            rho = spearman([p for _, _, p, _ in points], [r for _, _, _, r in points])
+            out[name] = (small, large, r_large / r_small, rho)
+    return out
+
+
+def microbatch_table(runs: tuple[PublishedRun, ...] = MICROBATCH_RUNS,
+                     band: tuple[float, float] = TARGET_BAND) -> str:
+    """The sweep's rows (:func:`~parlib.cost.published.comparison_table`), then per model the
+    lean from its smallest microbatch to its largest and the order's rank correlation."""
+    rows = [comparison_table(runs, band), "",
+            f"{'model':<10} {'microbatch':>10} {'lean':>5} {'spearman':>8}"]
+    for name, (small, large, lean, rho) in microbatch_sweep_lean(runs).items():
+        rows.append(f"{name:<10} {small:>4} to {large:<2} {lean:>5.2f} {rho:>8.2f}")
+    return "\n".join(rows)
 
 
 def trends(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS) -> dict[str, tuple[int, int, float]]:
@@ -259,7 +320,8 @@ def foundry_table(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
     return "\n".join(rows)
 
 
-__all__ = ["A100_40GB_ROWS", "ABOVE_BEST", "FOUNDRY_RUNS", "H100_80GB_ROWS", "MPT_SHAPES",
-           "TARGET_SHARE", "TARGET_TREND", "a100_40gb", "above_best", "against_published",
-           "best_published", "foundry_run", "foundry_table", "in_band_share", "most_matmul", "mpt",
-           "published_rows", "ratio_band", "trends"]
+__all__ = ["A100_40GB_ROWS", "ABOVE_BEST", "FOUNDRY_RUNS", "H100_80GB_ROWS", "MICROBATCH_RUNS",
+           "MICROBATCH_SWEEP_ROWS", "MPT_SHAPES", "TARGET_SHARE", "TARGET_TREND", "a100_40gb",
+           "above_best", "against_published", "best_published", "foundry_run", "foundry_table",
+           "in_band_share", "microbatch_sweep_lean", "microbatch_run", "microbatch_table",
+           "most_matmul", "mpt", "published_rows", "ratio_band", "trends"]

@@ -123,3 +123,56 @@ def test_above_best_is_the_share_over_the_best_published():
     assert above_best(best * 1.1, "H100") == pytest.approx(0.1)
     assert above_best(best, "H100") == pytest.approx(0.0)
     assert above_best(best / 2, "H100") == pytest.approx(-0.5)
+
+
+def test_the_microbatch_sweep_is_read_as_its_table_and_kept_out_of_every_fit():
+    from parlib.cost.foundry import (
+        MICROBATCH_RUNS,
+        MICROBATCH_SWEEP_ROWS,
+        microbatch_run,
+        published_rows,
+    )
+    assert len(MICROBATCH_RUNS) == len(MICROBATCH_SWEEP_ROWS) == 6
+    for (size, micro, tokens), run in zip(MICROBATCH_SWEEP_ROWS, MICROBATCH_RUNS):
+        est = run.estimate()
+        assert est.micro_batch == micro and est.m == 2 and run.layout.dp == 8
+        assert run.hardware.memory_bytes == 80e9 and run.settings["grad_reduce_bytes"] == 4
+        assert run.settings["recompute"] == "selective"  # no activation checkpointing
+        assert run.reported == pytest.approx(tokens * mpt(size).flops_per_token / 312e12)
+    # the table's MFU column for 7b at microbatch 6 (65.25%) is its T/s/GPU with its count;
+    # ours counts the same FLOPs to within 1%
+    assert microbatch_run("7b", 6, 4715).reported == pytest.approx(0.6525, rel=0.01)
+    names = {r.name for r in FOUNDRY_RUNS + published_rows("A100")}
+    assert not names & {r.name for r in MICROBATCH_RUNS}
+
+
+def test_the_lean_is_the_step_ratio_at_the_smallest_microbatch_over_the_largest():
+    from dataclasses import replace
+
+    from parlib.cost.foundry import MICROBATCH_RUNS, microbatch_sweep_lean
+    small, large = sorted((r for r in MICROBATCH_RUNS if r.model.name == "MPT 13b"),
+                          key=lambda r: r.estimate().micro_batch)
+    # hand-worked: the small one at 0.8 of its prediction and the large at exactly its own;
+    # the small one's step then takes 1.25x its predicted time, the large one's 1x: lean 1.25
+    toy = (replace(small, reported=0.8 * small.predicted()),
+           replace(large, reported=large.predicted()))
+    assert microbatch_sweep_lean(toy)["MPT 13b"][:3] == (1, 2, pytest.approx(1.25))
+    # reported in the reverse of the predicted order: rank correlation -1
+    flipped = (replace(small, reported=0.9 * large.predicted()),
+               replace(large, reported=0.8 * small.predicted()))
+    assert microbatch_sweep_lean(flipped)["MPT 13b"][3] == pytest.approx(-1.0)
+    # a model at one microbatch has no lean
+    assert microbatch_sweep_lean(toy[:1]) == {}
+
+
+def test_the_microbatch_sweep_in_the_band_and_in_the_measured_order():
+    from parlib.cost.foundry import MICROBATCH_RUNS, microbatch_sweep_lean, microbatch_table
+    table = microbatch_table()
+    print("\n" + table)
+    assert "6 of 6 runs (100%) within" in table
+    assert all(0.8 <= r.ratio() <= 1.25 for r in MICROBATCH_RUNS)
+    lean = microbatch_sweep_lean()
+    assert set(lean) == {"MPT 7b", "MPT 13b"}
+    assert all(rho == pytest.approx(1.0) for _, _, _, rho in lean.values())
+    for name, (small, large, value, _) in lean.items():
+        assert f"{name:<10} {small:>4} to {large:<2} {value:>5.2f}" in table
