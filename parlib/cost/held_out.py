@@ -125,6 +125,10 @@ class MemoryReading:
     fact: MemoryFact
     reported_gib: float
 
+    def beyond_count_gib(self, est: Estimate | None = None) -> float:
+        """GiB the measured peak ran beyond the model's count of the same layout."""
+        return self.reported_gib - (est or self.fact.estimate()).memory_total / GIB
+
 
 def memory_readings() -> tuple[MemoryReading, ...]:
     """torchtitan's Llama 3.1 8B on 8 and 128 H100s of 96 GB: FSDP2, local batch 2, the
@@ -155,7 +159,7 @@ def memory_reading_table(readings: tuple[MemoryReading, ...] | None = None) -> s
                                t=f.layout.tp, loss=f.settings.get("loss", "unfused")) / GIB
         counted = est.memory_total / GIB
         ratios.append(r.reported_gib / counted)
-        over.append(r.reported_gib - counted)
+        over.append(r.beyond_count_gib(est))
         rows.append(f"{r.name:<42} {counted:>8.1f} {loss:>9.1f} {r.reported_gib:>9.1f} "
                     f"{ratios[-1]:>19.2f}")
     rows.append(f"measured / counted {min(ratios):.2f}-{max(ratios):.2f}; "
@@ -163,5 +167,15 @@ def memory_reading_table(readings: tuple[MemoryReading, ...] | None = None) -> s
     return "\n".join(rows)
 
 
-__all__ = ["GIB", "MEMORY_FACTS", "MemoryFact", "MemoryReading", "held_out_runs",
-           "memory_agreement", "memory_reading_table", "memory_readings", "memory_table"]
+def beyond_count_gib(readings: tuple[MemoryReading, ...] | None = None
+                     ) -> tuple[float, float]:
+    """(least, most) GiB the measured peaks of ``readings`` (:func:`memory_readings`) ran
+    beyond the model's count: the buffers, reserve and gathered layers it leaves out. A
+    layout with less than that to spare may not run though the count says it fits."""
+    over = [r.beyond_count_gib() for r in readings or memory_readings()]
+    return min(over), max(over)
+
+
+__all__ = ["GIB", "MEMORY_FACTS", "MemoryFact", "MemoryReading", "beyond_count_gib",
+           "held_out_runs", "memory_agreement", "memory_reading_table", "memory_readings",
+           "memory_table"]

@@ -8,10 +8,12 @@ settings equally fast the simplest (no ZeRO, no recomputation, fewest microbatch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 from parlib.cost.estimate import RECOMPUTE, STEP_PARTS, Estimate, _evaluate, check_inputs
 from parlib.cost.hardware import GB, Hardware
+from parlib.cost.held_out import GIB, beyond_count_gib
 from parlib.cost.layout import Layout
 from parlib.cost.memory import check_loss
 from parlib.cost.model import Model
@@ -263,11 +265,28 @@ def _reason(est: Estimate, smallest_split: int, best: dict) -> str:
         parts.append(f"{kind} recomputation" + (" to fit" if est.binding.startswith("memory (")
                                                  else ""))
     bound = max(STEP_PARTS, key=est.time.get)
-    parts.append(f"{est.memory_total / cap:.0%} of memory; "
+    parts.append(f"{est.memory_total / cap:.0%} of memory{_spare_caution(est)}; "
                  f"{est.time[bound] / est.step_time:.0%} of the step is {bound}")
     if est.binding:
         parts.append(f"binds: {est.binding}")
     return "; ".join(parts)
+
+
+@functools.cache
+def _measured_beyond_count() -> tuple[float, float]:
+    return beyond_count_gib()  # two estimates: worked out once, on first use
+
+
+def _spare_caution(est: Estimate) -> str:
+    """Where a layout leaves less memory to spare than measured peaks ran beyond the
+    model's count (:func:`parlib.cost.held_out.beyond_count_gib`), a parenthesis saying
+    so: the count says it fits, but it is one to try before promising it."""
+    least, most = _measured_beyond_count()
+    spare = (est.hardware.memory_bytes - est.memory_total) / GIB
+    if spare >= least:
+        return ""
+    return (f" ({spare:.1f} GiB spare, where measured peaks ran {least:.1f}-{most:.1f} GiB "
+            "over the count: try it before promising it)")
 
 
 def experts_split_or_whole(model: Model, hardware: Hardware, *, global_batch: int

@@ -83,6 +83,10 @@ def test_measured_peaks_against_the_models_count():
     assert "23.5" in table and 12 * 16384 * 128256 / GIB == pytest.approx(23.49, abs=0.01)
     # what is left does not grow with the sharded state (8 GPUs hold 16x the 128's share)
     assert all(9 < x < 13 for x in over) and abs(over[0] - over[1]) < 2
+    # the range the planner warns with is this table's, worked out the same way
+    from parlib.cost.held_out import beyond_count_gib
+    assert beyond_count_gib() == (pytest.approx(min(over)), pytest.approx(max(over)))
+    assert f"{min(over):.1f}-{max(over):.1f} GiB measured beyond the count" in table
     # counted as the forward leaves it (6 bytes a logit), the gap was 1.40-1.49x
     forward = [dataclasses.replace(r.fact, settings=dict(r.fact.settings, loss="in_place"))
                for r in readings]

@@ -153,3 +153,17 @@ def test_experts_split_or_whole_gives_the_fastest_of_each_kind():
     assert whole.shard_group == hardware.devices_per_node
     with pytest.raises(ValueError, match="no experts to split"):
         experts_split_or_whole(Model(4, 64, 4, 32, 100), hardware, global_batch=8)
+
+
+def test_a_pick_with_less_to_spare_than_measured_peaks_ran_over_the_count_says_so():
+    from parlib.cost.held_out import GIB, beyond_count_gib
+    least, most = beyond_count_gib()
+    model, layout = Model(4, 256, 4, 128, 1000, name="toy"), Layout(dp=2)
+    need = estimate(model, Hardware.dgx_h100(2), layout, m=1, global_batch=2).memory_total
+    for spare, warned in ((least - 1.0, True), (least + 1.0, False)):
+        hardware = Hardware.dgx_h100(2, memory_bytes=need + spare * GIB)
+        best = next(e for e in best_layouts(model, hardware, global_batch=2, top=10**9)
+                    if e.layout == layout and e.memory_total == pytest.approx(need))
+        caution = (f"({spare:.1f} GiB spare, where measured peaks ran {least:.1f}-{most:.1f} "
+                   "GiB over the count: try it before promising it)")
+        assert (caution in best.reason) is warned, best.reason
