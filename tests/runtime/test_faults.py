@@ -1,6 +1,7 @@
 """Faults found by the fault sweep (issue 16, items 7-12) and the learner's view of errors
 and interrupts (issue 15, items 1-3 and 8): each test failed before its fix."""
 
+import contextlib
 import glob
 import linecache
 import os
@@ -246,6 +247,28 @@ def _own_temp_dirs():
     return set(glob.glob(os.path.join(tempfile.gettempdir(), f"parlib-{os.getpid()}-*group*")))
 
 
+def _outlived(baseline, seconds):
+    """The descendants not in ``baseline`` that are still alive after ``seconds``, each
+    described from /proc (pid, parent, state, command line), then killed so that one leak
+    fails this test alone, not every later test that counts processes."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and children_of(os.getpid()) - baseline:
+        time.sleep(0.05)
+    described = []
+    for pid in sorted(children_of(os.getpid()) - baseline):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                command = fh.read().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:
+            continue  # ended meanwhile
+        described.append(f"pid {pid} (parent {ppid}, state {state}): {command}")
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return ", ".join(described)
+
+
 def _start_steps(world_size):
     """Every line start-up executes in the launcher (an interrupt can land between any two;
     inside multiprocessing's start() it is held back until the rank is tracked)."""
@@ -279,7 +302,7 @@ def test_interrupt_at_every_step_of_start_up_leaves_nothing():
     lasts = {s: i for i, s in enumerate(steps)}
     targets = sorted(set(firsts.values()) | set(lasts.values()))
     assert len(targets) > 40
-    survived = []
+    survived, leaks = [], []
     for index in targets:
         count = [0]
 
@@ -303,11 +326,10 @@ def test_interrupt_at_every_step_of_start_up_leaves_nothing():
         finally:
             sys.settrace(None)
         group.close()
-    deadline = time.time() + 15
-    while time.time() < deadline and children_of(os.getpid()) - baseline:
-        time.sleep(0.1)
-    left = children_of(os.getpid()) - baseline
-    assert not left, f"{len(left)} process(es) outlived an interrupted start-up"
+        left = _outlived(baseline, seconds=15)
+        if left:  # say where the interrupt landed and what outlived it
+            leaks.append(f"interrupt at group.py line {steps[index][1]}: {left}")
+    assert not leaks, "processes outlived an interrupted start-up: " + "; ".join(leaks)
     assert not _own_temp_dirs() - folders_before
     assert len(survived) < len(targets) / 4  # the interrupts did land inside start-up
     assert parlib.launch(rank_fns.rank_sum, world_size=2) == [1.0, 1.0]
