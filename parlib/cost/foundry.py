@@ -163,26 +163,34 @@ def microbatch_run(size: str, micro: int, tokens_per_gpu: int) -> PublishedRun:
 MICROBATCH_RUNS = tuple(microbatch_run(*row) for row in MICROBATCH_SWEEP_ROWS)
 
 
+def _ends(groups: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[int, int, float]]:
+    """Per group of (x, reported / predicted) points seen at two or more x: (smallest x,
+    largest x, the ratio at the largest over the ratio at the smallest)."""
+    out = {}
+    for key, points in groups.items():
+        points = sorted(points)
+        if len(points) > 1:
+            (small, r_small), (large, r_large) = points[0], points[-1]
+            out[key] = (small, large, r_large / r_small)
+    return out
+
+
 def microbatch_sweep_lean(runs: tuple[PublishedRun, ...] = MICROBATCH_RUNS
-                    ) -> dict[str, tuple[int, int, float, float]]:
+                          ) -> dict[str, tuple[int, int, float, float]]:
     """Per model: (smallest microbatch, largest, lean, Spearman correlation of predicted and
     reported tokens/s over its rows). The lean is measured / predicted step time at the
     smallest microbatch over the same at the largest, the measure of
     :func:`parlib.cost.sweeps.microbatch_lean`, so the two sources read alike: above 1, the
     model charges the smaller microbatch too little against the larger."""
-    by_model: dict[str, list[tuple[int, float, float, float]]] = {}
+    ratios: dict[str, list[tuple[int, float]]] = {}
+    rates: dict[str, list[tuple[float, float]]] = {}  # (predicted, reported)
     for run in runs:
         est = run.estimate()
-        by_model.setdefault(run.model.name, []).append(
-            (est.micro_batch, run.ratio(est), run.predicted(est), run.reported))
-    out = {}
-    for name, points in by_model.items():
-        points.sort()
-        if len(points) > 1:
-            (small, r_small, _, _), (large, r_large, _, _) = points[0], points[-1]
-            rho = spearman([p for _, _, p, _ in points], [r for _, _, _, r in points])
-            out[name] = (small, large, r_large / r_small, rho)
-    return out
+        ratios.setdefault(run.model.name, []).append((est.micro_batch, run.ratio(est)))
+        rates.setdefault(run.model.name, []).append((run.predicted(est), run.reported))
+    return {name: (small, large, lean, spearman([p for p, _ in rates[name]],
+                                                [r for _, r in rates[name]]))
+            for name, (small, large, lean) in _ends(ratios).items()}
 
 
 def microbatch_table(runs: tuple[PublishedRun, ...] = MICROBATCH_RUNS,
@@ -203,13 +211,7 @@ def trends(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS) -> dict[str, tuple[int
     for run in runs:
         key = f"{run.model.name}, {run.hardware.generation}"
         by_model.setdefault(key, []).append((run.layout.world, run.ratio()))
-    out = {}
-    for key, points in by_model.items():
-        points.sort()
-        if len(points) > 1:
-            (small, r_small), (large, r_large) = points[0], points[-1]
-            out[key] = (small, large, r_large / r_small)
-    return out
+    return _ends(by_model)
 
 
 def in_band_share(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
