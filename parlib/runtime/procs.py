@@ -3,7 +3,8 @@ temp folder behind.
 
 - Each rank leads its own process group, so killing the group also ends the rank's children.
 - A process is named by (pid, start time): a pid reused by a new process is never killed.
-  Both come from psutil, which reads them the same way on Linux, macOS and Windows.
+  On Linux the start time is read from /proc, in the kernel's own clock ticks since boot;
+  elsewhere from psutil.
 - Temp folders are named ``parlib-<pid>-<start time>-...`` after the kernel that made them.
   A small reaper process in its own session removes them when the kernel is gone, however it
   ended (Jupyter kills the kernel's whole process group, forkserver included); a folder left
@@ -42,16 +43,38 @@ def _running(pid: int) -> psutil.Process | None:
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (psutil's ``create_time``, fixed
-    for the process's life, so (pid, start time) names one process even after its pid is
-    reused; in ticks, as the kernel counts it, so every parlib on the machine, old or new,
-    names a process the same way in its temp folders); None if gone or a zombie."""
+    """The process's start time in clock ticks since boot (fixed for the process's life, so
+    (pid, start time) names one process even after its pid is reused; in ticks, as the kernel
+    counts it, so every parlib on the machine, old or new, names a process the same way in its
+    temp folders); None if gone or a zombie.
+
+    On Linux it is read from /proc as the kernel keeps it. psutil's ``create_time`` adds the
+    boot time, which it re-reads from the wall clock: a clock step (a VM's time sync) between
+    two readings would make a live rank look like a reused pid, and a live kernel's folders
+    look stale."""
+    ticks = _proc_start_ticks(pid)
+    if ticks is not False:
+        return ticks
     proc = _running(pid)
     try:
         since_boot = None if proc is None else proc.create_time() - psutil.boot_time()
     except psutil.Error:
         return None
     return None if since_boot is None else round(since_boot * _TICKS_PER_SECOND)
+
+
+def _proc_start_ticks(pid: int) -> int | None | bool:
+    """Field 22 of /proc/<pid>/stat (None if gone or a zombie), or False without /proc."""
+    if not os.path.isdir("/proc/self"):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            # the command name (field 2) may hold spaces and parentheses: split after it
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    state, ticks = fields[0], fields[19]  # fields 3 and 22
+    return None if state in (b"Z", b"X", b"x") else int(ticks)
 
 
 def cpu_seconds(pid: int) -> float | None:

@@ -1,9 +1,13 @@
-"""Processes named by (pid, start time), read through psutil."""
+"""Processes named by (pid, start time), read from /proc on Linux and through psutil
+elsewhere."""
 
 import os
 import subprocess
 import sys
 import time
+
+import psutil
+import pytest
 
 from parlib.runtime import procs
 
@@ -37,3 +41,37 @@ def test_live_parents_sees_a_running_child():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_clock_step_does_not_rename_a_process(monkeypatch):
+    """psutil's create_time adds the wall-clock boot time, read afresh each call: a clock step
+    between two readings must not make a live rank look like a reused pid."""
+    if not os.path.isdir("/proc/self"):
+        pytest.skip("the start time is read from /proc on Linux only")
+    from psutil import _pslinux
+
+    me = os.getpid()
+    started = procs.start_time(me)
+    steps = iter(range(10**6))
+    stepped = lambda: 1.0e9 + next(steps)  # noqa: E731 - the clock moves 1 s per reading
+    monkeypatch.setattr(_pslinux, "boot_time", stepped)
+    monkeypatch.setattr(psutil, "boot_time", stepped)
+    assert [procs.start_time(me) for _ in range(3)] == [started] * 3
+    assert procs.is_alive(me, started)
+
+
+def test_a_command_name_with_parentheses_and_spaces_is_read_past():
+    code = ("import time; open('/proc/self/comm', 'w').write('a) b (c'); "
+            "print(flush=True); time.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # the name is set
+        if psutil.Process(child.pid).name() != "a) b (c":
+            pytest.skip("this system does not let a process rename itself")
+        expected = round((psutil.Process(child.pid).create_time() - psutil.boot_time())
+                         * os.sysconf("SC_CLK_TCK"))
+        assert procs.start_time(child.pid) == expected
+    finally:
+        child.kill()
+        child.wait()
+
