@@ -99,7 +99,9 @@ class RankGroup(Stopping):
         self.output = RankOutput()
         self.warm = False  # a Cluster's group: errors say what happened to the variables
         self._tmp = ""
-        self._lifeline: Any = None
+        # one pipe a rank: closing our end ends the rank (SIGIO goes to one owner per open
+        # pipe end, so ranks sharing a read end could not all be signalled)
+        self._lifelines: list[Any] = []
         self._loose: list[Any] = []  # pipe ends not yet owned by a rank
         self.closed = True
         self._code_index: dict[str, list[tuple[str, int, int]]] = {}
@@ -124,8 +126,6 @@ class RankGroup(Stopping):
             procs.start_temp_dir_reaper()
             procs.own_multiprocessing_temp_dir()
             self._tmp = procs.make_temp_dir("group")
-            lifeline_r, self._lifeline = ctx.Pipe(duplex=False)
-            self._loose.append(lifeline_r)
             env = dict(os.environ)
             env.update(self.env)
             loop = loopback_ifname()
@@ -141,6 +141,9 @@ class RankGroup(Stopping):
                     forkserver.ensure_running()  # slow the first time: interruptible
 
             for rank in range(self.world_size):
+                lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
+                self._lifelines.append(lifeline_w)
+                self._loose.append(lifeline_r)
                 parent_ctrl, child_ctrl = ctx.Pipe(duplex=True)
                 self._loose += [parent_ctrl, child_ctrl]
                 out_r, out_w = ctx.Pipe(duplex=False)
@@ -161,11 +164,9 @@ class RankGroup(Stopping):
                 self.ctrls.append(parent_ctrl)
                 self.output.add(rank, out_r, False)
                 self.output.add(rank, err_r, True)
-                for conn in (child_ctrl, out_w, err_w):
+                for conn in (child_ctrl, out_w, err_w, lifeline_r):
                     conn.close()
-                self._loose = [lifeline_r]
-            lifeline_r.close()
-            self._loose = []
+                self._loose = []
             limit = self.timeout if math.isfinite(self.timeout) else 600.0
             self._collect(kind="ready", deadline=time.monotonic() + max(limit, 30.0))
         except BaseException:
@@ -216,9 +217,9 @@ class RankGroup(Stopping):
         """SIGKILL every rank and its children (a rank inside gloo's C++ code never runs
         Python handlers); ranks not yet tracked end when their lifeline closes."""
         with procs.interrupts_deferred():
-            if self._lifeline is not None:
-                self._lifeline.close()
-                self._lifeline = None
+            for lifeline in self._lifelines:
+                lifeline.close()
+            self._lifelines = []
             for pid, started in self.ids:
                 procs.kill_tree(pid, started)
             for proc in self.procs:

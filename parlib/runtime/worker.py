@@ -14,6 +14,7 @@ import ctypes
 import faulthandler
 import io
 import os
+import select
 import signal
 import sys
 import threading
@@ -60,6 +61,28 @@ def _watch_lifeline(fd: int) -> None:
     except OSError:
         pass
     _kill_own_group()
+
+
+def _bind_to_lifeline(fd: int) -> None:
+    """End this rank's process group when the launcher's end of the lifeline closes.
+
+    On Linux the kernel does it first: with O_ASYNC set, closing a pipe's last write end sends
+    SIGIO to the read end's owner, and SIGIO's default action there ends a process without
+    running any Python. So a rank whose main thread holds the GIL in C++ code ends too, e.g.
+    one building its FileStore in a temp folder the launcher has just removed (torch retries
+    the open every 10 ms for minutes, the GIL held). The thread below is the fallback (macOS
+    discards SIGIO by default). A lifeline closed before the signal was armed is seen by the
+    check after it."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        import fcntl
+
+        own_group = os.getpgid(0) == os.getpid()  # never the kernel's group: only our own
+        signal.signal(signal.SIGIO, signal.SIG_DFL)
+        fcntl.fcntl(fd, fcntl.F_SETOWN, -os.getpid() if own_group else os.getpid())
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_ASYNC)
+    if select.select([fd], [], [], 0)[0]:  # readable with nothing ever written: closed
+        _kill_own_group()
+    threading.Thread(target=_watch_lifeline, args=(fd,), daemon=True).start()
 
 
 def _kill_own_group() -> None:
@@ -205,7 +228,7 @@ def rank_main(spec: dict[str, Any], ctrl: Any, out_w: Any, err_w: Any,
     except OSError:
         pass
     sys.path[:] = spec["sys_path"]
-    threading.Thread(target=_watch_lifeline, args=(lifeline.fileno(),), daemon=True).start()
+    _bind_to_lifeline(lifeline.fileno())
     # Append mode: the launcher empties the file after reading a dump, and the next dump
     # must start at its beginning again.
     stack_file = open(spec["stack_path"], "a")  # noqa: SIM115 - lives as long as the rank

@@ -1,7 +1,8 @@
-"""Processes named by (pid, start time), read from /proc on Linux and through psutil
-elsewhere."""
+"""Rank processes as the OS sees them: named by (pid, start time), read from /proc on Linux
+and through psutil elsewhere, and ended when their launcher's lifeline closes."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -10,6 +11,8 @@ import psutil
 import pytest
 
 from parlib.runtime import procs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_a_process_is_named_by_pid_and_start_time():
@@ -75,3 +78,56 @@ def test_a_command_name_with_parentheses_and_spaces_is_read_past():
         child.kill()
         child.wait()
 
+
+# A rank is started by the forkserver, not by the launcher: the launcher's end of a pipe (the
+# lifeline) closing is what ends a rank nobody tracks. Here a rank's main thread holds the GIL
+# in torch's C++ code: FileStore retries opening a file in a removed folder every 10 ms for
+# minutes, so no Python thread can act on the closed pipe.
+_STUCK_RANK = """
+import os, sys
+import torch.distributed as dist
+from parlib.runtime import worker
+fd = int(sys.argv[1])
+if sys.argv[3] == "threadless":  # as if the fallback thread had not run yet
+    worker._watch_lifeline = lambda fd: None
+worker._bind_to_lifeline(fd)
+if sys.argv[3] == "say":  # not otherwise: the print would let a Python thread run first
+    print("bound", flush=True)
+dist.FileStore(os.path.join(sys.argv[2], "gone", "store"), 2)  # holds the GIL for minutes
+"""
+
+
+def _stuck_rank(read_fd, tmp_path, mode):
+    return subprocess.Popen(
+        [sys.executable, "-c", _STUCK_RANK, str(read_fd), str(tmp_path), mode],
+        pass_fds=(read_fd,),
+        stdout=subprocess.PIPE, start_new_session=True, cwd=ROOT)
+
+
+def _ended_within(child, seconds):
+    try:
+        return child.wait(seconds)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_ASYNC on pipes: Linux")
+def test_a_rank_holding_the_gil_ends_when_its_lifeline_closes(tmp_path):
+    read_fd, write_fd = os.pipe()
+    child = _stuck_rank(read_fd, tmp_path, "say")
+    os.close(read_fd)
+    assert child.stdout.readline() == b"bound\n"
+    time.sleep(1.0)  # inside FileStore's retry loop by now
+    os.close(write_fd)
+    assert _ended_within(child, 10) == -signal.SIGIO  # the kernel ended it, not Python
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_ASYNC on pipes: Linux")
+def test_a_lifeline_closed_before_the_rank_watches_it_still_ends_the_rank(tmp_path):
+    read_fd, write_fd = os.pipe()
+    os.close(write_fd)  # the launcher was interrupted before this rank got going
+    child = _stuck_rank(read_fd, tmp_path, "threadless")
+    os.close(read_fd)
+    assert _ended_within(child, 10) == -signal.SIGKILL
