@@ -95,9 +95,15 @@ def a100_40gb(n_devices: int) -> Hardware:
 
 def mpt(size: str) -> Model:
     """The MPT model of ``size`` ("125m" ... "70b") at sequence length 2048."""
+    if size not in MPT_SHAPES:
+        raise ValueError(f"no MPT model of size {size!r}: llm-foundry's tables have "
+                         f"{', '.join(MPT_SHAPES)}")
     layers, hidden, heads = MPT_SHAPES[size]
     return Model(layers, hidden, heads, 2048, 50368, tied_embeddings=True,
                  name=f"MPT {size}")
+
+
+_GENERATIONS = ("A100", "A100 80GB", "H100")  # the A100 40GB table, the sweep, the H100 table
 
 
 def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens_per_gpu: int,
@@ -111,6 +117,9 @@ def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens
     (``grad_reduce_bytes=4``). A global batch that is not micro x
     accum x GPUs (Composer's microbatching splits unevenly) is rounded to m = accum
     microbatches of the table's microbatch size."""
+    if generation not in _GENERATIONS:
+        raise ValueError(f"generation must be one of {', '.join(map(repr, _GENERATIONS))}, "
+                         f"got {generation!r}")
     model = mpt(size)
     if generation == "A100":
         hardware, mode, reduce = a100_40gb(gpus), "PURE", 2

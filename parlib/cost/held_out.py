@@ -149,7 +149,9 @@ def memory_reading_table(readings: tuple[MemoryReading, ...] | None = None) -> s
     """Per reading: the model's count (with the unfused loss's backward peak, as torchtitan
     runs PyTorch's cross-entropy), the loss's share of it, and the measured peak, in GiB;
     then the range of measured / counted and of what the count leaves over."""
-    readings = readings or memory_readings()
+    readings = memory_readings() if readings is None else readings
+    if not readings:
+        raise ValueError("no memory readings to tabulate (pass None for torchtitan's)")
     rows = [f"{'layout':<42} {'counted':>8} {'the loss':>9} {'measured':>9} "
             f"{'measured / counted':>19}"]
     ratios, over = [], []
@@ -172,7 +174,11 @@ def beyond_count_gib(readings: tuple[MemoryReading, ...] | None = None
     """(least, most) GiB the measured peaks of ``readings`` (:func:`memory_readings`) ran
     beyond the model's count: the buffers, reserve and gathered layers it leaves out. A
     layout with less than that to spare may not run though the count says it fits."""
-    over = [r.beyond_count_gib() for r in readings or memory_readings()]
+    readings = memory_readings() if readings is None else readings
+    if not readings:
+        raise ValueError("no memory readings to take the range from (pass None for "
+                         "torchtitan's)")
+    over = [r.beyond_count_gib() for r in readings]
     return min(over), max(over)
 
 

@@ -9,6 +9,7 @@ from parlib.cost.foundry import (
     H100_80GB_ROWS,
     TARGET_SHARE,
     TARGET_TREND,
+    foundry_run,
     foundry_table,
     in_band_share,
     mpt,
@@ -24,6 +25,16 @@ NUM_PARAMS = {"125m": 125311488, "350m": 355985408, "760m": 760470528, "1b": 131
 @pytest.mark.parametrize("size", sorted(NUM_PARAMS))
 def test_shapes_give_the_tables_parameter_counts(size):
     assert mpt(size).n_params == NUM_PARAMS[size]
+
+
+def test_an_unknown_size_or_generation_is_named_not_guessed():
+    with pytest.raises(ValueError, match=r"no MPT model of size '6b'.*125m, 350m"):
+        mpt("6b")
+    # "H200" once fell through to the H100 table's hardware without a word
+    for generation in ("H200", "a100", "A100 40GB"):
+        with pytest.raises(ValueError, match=f"generation must be one of.*got '{generation}'"):
+            foundry_run("7b", 8, 8, 1, 64, 3000, False, generation)
+    assert foundry_run("7b", 8, 8, 1, 64, 3000, False, "H100").hardware.name.startswith("DGX H100")
 
 
 def test_every_row_is_there_and_predicted_by_estimate():

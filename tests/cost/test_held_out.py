@@ -86,6 +86,10 @@ def test_measured_peaks_against_the_models_count():
     # the range the planner warns with is this table's, worked out the same way
     from parlib.cost.held_out import beyond_count_gib
     assert beyond_count_gib() == (pytest.approx(min(over)), pytest.approx(max(over)))
+    assert beyond_count_gib(readings[:1]) == (pytest.approx(over[0]), pytest.approx(over[0]))
+    for empty in (beyond_count_gib, memory_reading_table):  # not torchtitan's in disguise
+        with pytest.raises(ValueError, match="no memory readings"):
+            empty(())
     assert f"{min(over):.1f}-{max(over):.1f} GiB measured beyond the count" in table
     # counted as the forward leaves it (6 bytes a logit), the gap was 1.40-1.49x
     forward = [dataclasses.replace(r.fact, settings=dict(r.fact.settings, loss="in_place"))
