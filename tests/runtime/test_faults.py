@@ -356,8 +356,10 @@ def test_ranks_holding_the_gil_end_when_their_lifelines_close(monkeypatch, tmp_p
         time.sleep(0.05)
     ranks = list(group.procs)
     try:
-        time.sleep(2.0)  # every rank inside FileStore's retry loop
-        assert len(ranks) == 3 and all(p.exitcode is None for p in ranks)
+        deadline = time.time() + 60  # every rank inside FileStore's retry loop, GIL held
+        while time.time() < deadline and not all(_asleep(p.pid) for p in ranks):
+            time.sleep(0.05)
+        assert len(ranks) == 3 and all(_asleep(p.pid) for p in ranks)
         for lifeline in group._lifelines:  # noqa: SLF001 - what kill() does first
             lifeline.close()
         deadline = time.time() + 10
@@ -371,6 +373,15 @@ def test_ranks_holding_the_gil_end_when_their_lifelines_close(monkeypatch, tmp_p
                 p.kill()
         starter.join(30)
         group.kill()
+
+
+def _asleep(pid):
+    """The process's main thread sleeps in nanosleep (as FileStore's 10 ms retries do)."""
+    try:
+        with open(f"/proc/{pid}/wchan") as fh:
+            return fh.read() == "hrtimer_nanosleep"
+    except OSError:
+        return False
 
 
 def _quietly(fn):
