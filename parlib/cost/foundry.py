@@ -103,7 +103,10 @@ def mpt(size: str) -> Model:
                  name=f"MPT {size}")
 
 
-_GENERATIONS = ("A100", "A100 80GB", "H100")  # the A100 40GB table, the sweep, the H100 table
+# Per generation name: its nodes, the table's mixed-precision mode and the bytes a gradient is
+# reduced in. "A100" is the A100 40GB table; "A100 80GB" the microbatch sweep's nodes.
+_GENERATIONS = {"A100": (a100_40gb, "PURE", 2), "A100 80GB": (Hardware.dgx_a100, "DEFAULT", 4),
+                "H100": (Hardware.dgx_h100, "DEFAULT", 4)}
 
 
 def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens_per_gpu: int,
@@ -121,12 +124,8 @@ def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens
         raise ValueError(f"generation must be one of {', '.join(map(repr, _GENERATIONS))}, "
                          f"got {generation!r}")
     model = mpt(size)
-    if generation == "A100":
-        hardware, mode, reduce = a100_40gb(gpus), "PURE", 2
-    elif generation == "A100 80GB":  # the microbatch sweep's nodes (DGX A100 80GB preset)
-        hardware, mode, reduce = Hardware.dgx_a100(gpus), "DEFAULT", 4
-    else:
-        hardware, mode, reduce = Hardware.dgx_h100(gpus), "DEFAULT", 4
+    nodes, mode, reduce = _GENERATIONS[generation]
+    hardware = nodes(gpus)
     ours = tokens_per_gpu * model.flops_per_token / hardware.peak_flops
     settings = dict(m=accum, global_batch=micro * accum * gpus, zero=3,
                     recompute=True if checkpointing else "selective",

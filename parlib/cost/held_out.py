@@ -145,13 +145,20 @@ def memory_readings() -> tuple[MemoryReading, ...]:
     return tuple(out)
 
 
+def _given_or_torchtitans(readings: tuple[MemoryReading, ...] | None, use: str
+                          ) -> tuple[MemoryReading, ...]:
+    """``readings``, or torchtitan's (:func:`memory_readings`) for None; none at all refused."""
+    readings = memory_readings() if readings is None else readings
+    if not readings:
+        raise ValueError(f"no memory readings to {use} (pass None for torchtitan's)")
+    return readings
+
+
 def memory_reading_table(readings: tuple[MemoryReading, ...] | None = None) -> str:
     """Per reading: the model's count (with the unfused loss's backward peak, as torchtitan
     runs PyTorch's cross-entropy), the loss's share of it, and the measured peak, in GiB;
     then the range of measured / counted and of what the count leaves over."""
-    readings = memory_readings() if readings is None else readings
-    if not readings:
-        raise ValueError("no memory readings to tabulate (pass None for torchtitan's)")
+    readings = _given_or_torchtitans(readings, "tabulate")
     rows = [f"{'layout':<42} {'counted':>8} {'the loss':>9} {'measured':>9} "
             f"{'measured / counted':>19}"]
     ratios, over = [], []
@@ -174,11 +181,7 @@ def beyond_count_gib(readings: tuple[MemoryReading, ...] | None = None
     """(least, most) GiB the measured peaks of ``readings`` (:func:`memory_readings`) ran
     beyond the model's count: the buffers, reserve and gathered layers it leaves out. A
     layout with less than that to spare may not run though the count says it fits."""
-    readings = memory_readings() if readings is None else readings
-    if not readings:
-        raise ValueError("no memory readings to take the range from (pass None for "
-                         "torchtitan's)")
-    over = [r.beyond_count_gib() for r in readings]
+    over = [r.beyond_count_gib() for r in _given_or_torchtitans(readings, "take the range from")]
     return min(over), max(over)
 
 
