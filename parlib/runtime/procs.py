@@ -31,6 +31,7 @@ import psutil
 PREFIX = "parlib-"
 _GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
 _TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_LINUX = sys.platform.startswith("linux")
 
 
 def _running(pid: int) -> psutil.Process | None:
@@ -52,9 +53,8 @@ def start_time(pid: int) -> int | None:
     boot time, which it re-reads from the wall clock: a clock step (a VM's time sync) between
     two readings would make a live rank look like a reused pid, and a live kernel's folders
     look stale."""
-    ticks = _proc_start_ticks(pid)
-    if ticks is not False:
-        return ticks
+    if _LINUX:
+        return _proc_start_ticks(pid)
     proc = _running(pid)
     try:
         since_boot = None if proc is None else proc.create_time() - psutil.boot_time()
@@ -63,10 +63,8 @@ def start_time(pid: int) -> int | None:
     return None if since_boot is None else round(since_boot * _TICKS_PER_SECOND)
 
 
-def _proc_start_ticks(pid: int) -> int | None | bool:
-    """Field 22 of /proc/<pid>/stat (None if gone or a zombie), or False without /proc."""
-    if not os.path.isdir("/proc/self"):
-        return False
+def _proc_start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (Linux's layout); None if gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             # the command name (field 2) may hold spaces and parentheses: split after it
