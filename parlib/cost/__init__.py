@@ -31,6 +31,8 @@ Built on them, the choosing chapter's cost model:
 - :mod:`parlib.cost.published`: published runs to hold the model against.
 - :mod:`parlib.cost.foundry`: llm-foundry's FSDP benchmarks, every model size at every GPU
   count, held against the model the same way.
+- :mod:`parlib.cost.foundry_reruns`: llm-foundry's own second runs of six of those layouts,
+  how far one row moves when its layout runs again.
 - :mod:`parlib.cost.calibration`: the two training shares of each generation (matmuls of the
   best measured matmul, memory-bound work of the bandwidth), fitted to every published run
   of it, and each table held against a fit to the other; and the network's rate each run
