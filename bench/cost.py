@@ -14,9 +14,10 @@ Sections, each a function printing one table:
   tables at sequence 2048 (``parlib.cost.foundry.foundry_table``): the share in band and,
   per model, the ratio at its most GPUs over the ratio at its fewest; llm-foundry's own
   re-runs of six 8-GPU layouts and how far they move those ratios
-  (``parlib.cost.foundry_reruns.rerun_table``); then llm-foundry's one-node microbatch
-  sweep, in no fit, and the model's lean from the smallest microbatch to the largest
-  (``microbatch_table``).
+  (``parlib.cost.foundry_reruns.rerun_table``); its two other bf16 tables, in no fit, and
+  the trend with them (``parlib.cost.foundry_held_out.foundry_held_out_table``); then
+  llm-foundry's one-node microbatch sweep, in no fit, and the model's lean from the smallest
+  microbatch to the largest (``microbatch_table``).
 - ``ranking``: the model's order of the layouts of published sweeps against the measured
   order (``parlib.cost.sweeps.ranking_table``).
 - ``avoided``: ZeRO-3 without model parallelism beside Megatron-LM's PTD-P on 384-2240 A100s
@@ -196,6 +197,7 @@ def ranking_section(args: argparse.Namespace) -> None:
 
 def foundry_section(args: argparse.Namespace) -> None:
     from parlib.cost.foundry import foundry_table, microbatch_table
+    from parlib.cost.foundry_held_out import foundry_held_out_table
     from parlib.cost.foundry_reruns import rerun_table
     print("\nllm-foundry's FSDP benchmarks, every model size x GPU count at sequence 2048: "
           "predicted against reported (sources: parlib/cost/foundry.py)\n")
@@ -204,6 +206,11 @@ def foundry_section(args: argparse.Namespace) -> None:
           "stack (torch2.md): how far one row moves, beside the model's ratio and trend "
           "(sources: parlib/cost/foundry_reruns.py)\n")
     print(rerun_table())
+    print("\nllm-foundry's two other bf16 tables, in no fit (its runs on 128-512 H100s, its "
+          "A100 80GB table): predicted against reported, the fall in MFU from 128 H100s to "
+          "512, and the trend of every row together (sources: parlib/cost/foundry_held_out.py)"
+          "\n")
+    print(foundry_held_out_table())
     print("\nllm-foundry's microbatch sweep on one node of 8 A100 80GB, in no fit: predicted "
           "against reported; lean: measured / predicted step at the smallest microbatch over "
           "the same at the largest\n")

@@ -10,6 +10,8 @@ MicroBatchSize, GradAccum, GlobalBatchSize, Throughput (T/s/GPU), MP Mode, Activ
 Checkpointing, NumParams. The shapes are the repository's ``scripts/train/yamls/pretrain/
 mpt-*.yaml`` (d_model, n_heads, n_layers; vocabulary 50,368, tied output, learned
 positions); with them our parameter count equals the table's NumParams for every size.
+The README's two other bf16 tables (128-512 H100s; A100 80GB) are kept out of every fit, in
+:mod:`parlib.cost.foundry_held_out`.
 
 Every row is predicted with the hardware presets as they are (one set of efficiencies per
 device generation, nothing fitted to a row or to this table): reported / predicted near 1

@@ -77,6 +77,18 @@ def test_cost_script_defaults_are_the_experiments_constants():
     assert "grid" in cost.SECTIONS and ap_defaults["grid"] is None
 
 
+def test_cost_scripts_foundry_section_prints_every_llm_foundry_table(capsys):
+    cost = _load("cost")
+    from parlib.cost.foundry import foundry_table, microbatch_table
+    from parlib.cost.foundry_held_out import foundry_held_out_table
+    from parlib.cost.foundry_reruns import rerun_table
+
+    assert cost.main(["--sections", "foundry"]) == 0
+    out = capsys.readouterr().out
+    for table in (foundry_table(), rerun_table(), foundry_held_out_table(), microbatch_table()):
+        assert table in out
+
+
 def test_cost_script_scores_a_grid_file_and_asks_for_one(tmp_path, capsys):
     cost = _load("cost")
     readme = (ROOT / "README.md").read_text()
