@@ -53,6 +53,10 @@ def test_the_a100_80gb_rows_are_read_as_the_table_each_mode_its_reduction():
         a100_80gb_run("7b", 8, 6, 2, 96, 4641, False, "pure")
 
 
+def test_every_held_out_layout_ran_and_the_model_says_it_fits():
+    assert all(run.estimate().fits for run in LARGE_SCALE_RUNS + A100_80GB_RUNS)
+
+
 def test_no_held_out_row_is_in_a_fit_or_shares_a_name():
     held = [run.name for run in LARGE_SCALE_RUNS + A100_80GB_RUNS]
     assert len(set(held)) == len(held)
