@@ -23,6 +23,7 @@ the runs slow as they spread).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from parlib.cost.avoided import zero3_caution
@@ -214,14 +215,20 @@ def microbatch_table(runs: tuple[PublishedRun, ...] = MICROBATCH_RUNS,
     return "\n".join(rows)
 
 
-def trends(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS) -> dict[str, tuple[int, int, float]]:
-    """Per model and table ("MPT 7b, A100"): (smallest GPU count, largest, ratio at the
-    largest over ratio at the smallest). Models seen at one count only are left out."""
-    by_model: dict[str, list[tuple[int, float]]] = {}
+def _model_and_generation(run: PublishedRun) -> str:
+    return f"{run.model.name}, {run.hardware.generation}"
+
+
+def trends(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
+           key: Callable[[PublishedRun], str] = _model_and_generation
+           ) -> dict[str, tuple[int, int, float]]:
+    """Per model and table ("MPT 7b, A100"; another grouping by ``key``): (smallest GPU
+    count, largest, ratio at the largest over ratio at the smallest). Groups seen at one
+    count only are left out."""
+    groups: dict[str, list[tuple[int, float]]] = {}
     for run in runs:
-        key = f"{run.model.name}, {run.hardware.generation}"
-        by_model.setdefault(key, []).append((run.layout.world, run.ratio()))
-    return _ends(by_model)
+        groups.setdefault(key(run), []).append((run.layout.world, run.ratio()))
+    return _ends(groups)
 
 
 def in_band_share(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,

@@ -24,10 +24,9 @@ a trend across them mixes the two.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
-from parlib.cost.foundry import FOUNDRY_RUNS, TARGET_TREND, _ends, foundry_run
+from parlib.cost.foundry import FOUNDRY_RUNS, TARGET_TREND, foundry_run, trends
 from parlib.cost.published import TARGET_BAND, PublishedRun, comparison_table
 
 _README = "MosaicML llm-foundry, scripts/train/benchmarking/README.md"
@@ -123,21 +122,16 @@ def _setting(run: PublishedRun) -> str:
             f"AC {run.settings['recompute'] is True}")
 
 
-def table_trends(runs: tuple[PublishedRun, ...],
-                 key: Callable[[PublishedRun], str] = _table
-                 ) -> dict[str, tuple[int, int, float]]:
-    """Per ``key`` (by default model and GPU: "MPT 13b, H100 80GB"; :func:`setting_trends`
-    adds the microbatch and checkpointing): (fewest GPUs, most, the ratio at the most over
-    the ratio at the fewest). Keys seen at one GPU count only are left out."""
-    groups: dict[str, list[tuple[int, float]]] = {}
-    for run in runs:
-        groups.setdefault(key(run), []).append((run.layout.world, run.ratio()))
-    return _ends(groups)
+def table_trends(runs: tuple[PublishedRun, ...]) -> dict[str, tuple[int, int, float]]:
+    """:func:`~parlib.cost.foundry.trends` per model and GPU ("MPT 13b, H100 80GB"): the
+    A100s' two memories apart, the H100 tables together."""
+    return trends(runs, _table)
 
 
 def setting_trends(runs: tuple[PublishedRun, ...]) -> dict[str, tuple[int, int, float]]:
-    """:func:`table_trends` within one setting ("MPT 13b, H100 80GB, microbatch 16, AC True")."""
-    return table_trends(runs, _setting)
+    """:func:`~parlib.cost.foundry.trends` within one setting ("MPT 13b, H100 80GB,
+    microbatch 16, AC True")."""
+    return trends(runs, _setting)
 
 
 def _trend_line(label: str, trend: dict[str, tuple[int, int, float]]) -> str:
@@ -150,7 +144,7 @@ def _trend_line(label: str, trend: dict[str, tuple[int, int, float]]) -> str:
 
 
 def foundry_held_out_table(fitted: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
-                   band: tuple[float, float] = TARGET_BAND) -> str:
+                           band: tuple[float, float] = TARGET_BAND) -> str:
     """Each table's rows against the model (:func:`~parlib.cost.published.comparison_table`);
     per model the fall from 128 H100s to 512 (:func:`scale_fall`); then the trend over
     ``fitted`` and these rows together, per model and per setting, each miss named."""

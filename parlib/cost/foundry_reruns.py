@@ -54,8 +54,8 @@ def readme_row(size: str) -> tuple:
 def rerun_run(size: str, tokens_per_gpu: int) -> PublishedRun:
     """A re-run of the README's 8-GPU layout of ``size`` that made ``tokens_per_gpu``: the
     README row as :func:`~parlib.cost.foundry.foundry_run` reads it, with the re-run's rate."""
-    size_, gpus, micro, accum, batch, _, checkpointing = readme_row(size)
-    run = foundry_run(size_, gpus, micro, accum, batch, tokens_per_gpu, checkpointing, "A100")
+    _, gpus, micro, accum, batch, _, checkpointing = readme_row(size)
+    run = foundry_run(size, gpus, micro, accum, batch, tokens_per_gpu, checkpointing, "A100")
     return replace(run, name=f"{run.name} (re-run)",
                    source=(f"{_SOURCE}: {size}, seq 2048, {gpus} A100 40GB, microbatch {micro},"
                            f" accum {accum}, AC {checkpointing}, {tokens_per_gpu} T/s/GPU, "
