@@ -15,8 +15,10 @@ Sections, each a function printing one table:
   per model, the ratio at its most GPUs over the ratio at its fewest; llm-foundry's own
   re-runs of six 8-GPU layouts and how far they move those ratios
   (``parlib.cost.foundry_reruns.rerun_table``); its two other bf16 tables, in no fit, and
-  the trend with them (``parlib.cost.foundry_held_out.foundry_held_out_table``); then
-  llm-foundry's one-node microbatch sweep, in no fit, and the model's lean from the smallest
+  the trend with them (``parlib.cost.foundry_held_out.foundry_held_out_table``); its sweeps
+  of the sequence length by attention's share of the FLOPs
+  (``parlib.cost.foundry_sequence.sequence_table``); then llm-foundry's one-node microbatch
+  sweep, in no fit, and the model's lean from the smallest
   microbatch to the largest (``microbatch_table``).
 - ``ranking``: the model's order of the layouts of published sweeps against the measured
   order (``parlib.cost.sweeps.ranking_table``).
@@ -199,6 +201,7 @@ def foundry_section(args: argparse.Namespace) -> None:
     from parlib.cost.foundry import foundry_table, microbatch_table
     from parlib.cost.foundry_held_out import foundry_held_out_table
     from parlib.cost.foundry_reruns import rerun_table
+    from parlib.cost.foundry_sequence import sequence_table
     print("\nllm-foundry's FSDP benchmarks, every model size x GPU count at sequence 2048: "
           "predicted against reported (sources: parlib/cost/foundry.py)\n")
     print(foundry_table())
@@ -211,6 +214,10 @@ def foundry_section(args: argparse.Namespace) -> None:
           "512, and the trend of every row together (sources: parlib/cost/foundry_held_out.py)"
           "\n")
     print(foundry_held_out_table())
+    print("\nllm-foundry's sweeps of the sequence length (512-65,536 tokens, one node), in no "
+          "fit: reported / predicted by attention's share of the FLOPs (sources: "
+          "parlib/cost/foundry_sequence.py)\n")
+    print(sequence_table())
     print("\nllm-foundry's microbatch sweep on one node of 8 A100 80GB, in no fit: predicted "
           "against reported; lean: measured / predicted step at the smallest microbatch over "
           "the same at the largest\n")

@@ -35,6 +35,8 @@ Built on them, the choosing chapter's cost model:
   how far one row moves when its layout runs again.
 - :mod:`parlib.cost.foundry_held_out`: llm-foundry's two other bf16 tables (its runs on 128
   to 512 H100s, its A100 80GB table), in no fit, and the trend of every row together.
+- :mod:`parlib.cost.foundry_sequence`: llm-foundry's sweeps of the sequence length, in no
+  fit, by attention's share of the FLOPs, and the caution beside a prediction beyond them.
 - :mod:`parlib.cost.calibration`: the two training shares of each generation (matmuls of the
   best measured matmul, memory-bound work of the bandwidth), fitted to every published run
   of it, and each table held against a fit to the other; and the network's rate each run

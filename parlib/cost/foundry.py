@@ -96,13 +96,13 @@ def a100_40gb(n_devices: int) -> Hardware:
                              name="A100 40GB, 1600 Gb/s RoCE")
 
 
-def mpt(size: str) -> Model:
-    """The MPT model of ``size`` ("125m" ... "70b") at sequence length 2048."""
+def mpt(size: str, seq_len: int = 2048) -> Model:
+    """The MPT model of ``size`` ("125m" ... "70b") at ``seq_len`` (2048 unless given)."""
     if size not in MPT_SHAPES:
         raise ValueError(f"no MPT model of size {size!r}: llm-foundry's tables have "
                          f"{', '.join(MPT_SHAPES)}")
     layers, hidden, heads = MPT_SHAPES[size]
-    return Model(layers, hidden, heads, 2048, 50368, tied_embeddings=True,
+    return Model(layers, hidden, heads, seq_len, 50368, tied_embeddings=True,
                  name=f"MPT {size}")
 
 
@@ -113,7 +113,7 @@ _GENERATIONS = {"A100": (a100_40gb, "PURE", 2), "A100 80GB": (Hardware.dgx_a100,
 
 
 def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens_per_gpu: int,
-                checkpointing: bool, generation: str) -> PublishedRun:
+                checkpointing: bool, generation: str, seq_len: int = 2048) -> PublishedRun:
     """One table row as a :class:`PublishedRun`: FSDP FULL_SHARD as ZeRO-3 over all GPUs,
     activation checkpointing as full recomputation and none as "selective", attention fused
     either way (``fused_attention``: the README says "our models use Flash Attention", so no
@@ -122,11 +122,12 @@ def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens
     microbatch sweep's (``generation`` "A100 80GB") "DEFAULT" reduces them in fp32
     (``grad_reduce_bytes=4``). A global batch that is not micro x
     accum x GPUs (Composer's microbatching splits unevenly) is rounded to m = accum
-    microbatches of the table's microbatch size."""
+    microbatches of the table's microbatch size. ``seq_len``: the row's sequence length (the
+    tables' sweeps of it, :mod:`parlib.cost.foundry_sequence`)."""
     if generation not in _GENERATIONS:
         raise ValueError(f"generation must be one of {', '.join(map(repr, _GENERATIONS))}, "
                          f"got {generation!r}")
-    model = mpt(size)
+    model = mpt(size, seq_len)
     nodes, mode, reduce = _GENERATIONS[generation]
     hardware = nodes(gpus)
     ours = tokens_per_gpu * model.flops_per_token / hardware.peak_flops
@@ -135,7 +136,7 @@ def foundry_run(size: str, gpus: int, micro: int, accum: int, batch: int, tokens
                     grad_reduce_bytes=reduce, fused_attention=True, loss="fused")
     return PublishedRun(
         name=f"MPT {size}, {gpus} {generation}",
-        source=(f"{_SOURCE}, {generation} table: {size}, seq 2048, {gpus} GPUs, microbatch "
+        source=(f"{_SOURCE}, {generation} table: {size}, seq {seq_len}, {gpus} GPUs, microbatch "
                 f"{micro}, accum {accum}, global batch {batch}, AC {checkpointing}, "
                 f"{tokens_per_gpu} T/s/GPU, MP {mode}"),
         model=model, hardware=hardware, layout=Layout(dp=gpus), settings=settings,

@@ -82,10 +82,12 @@ def test_cost_scripts_foundry_section_prints_every_llm_foundry_table(capsys):
     from parlib.cost.foundry import foundry_table, microbatch_table
     from parlib.cost.foundry_held_out import foundry_held_out_table
     from parlib.cost.foundry_reruns import rerun_table
+    from parlib.cost.foundry_sequence import sequence_table
 
     assert cost.main(["--sections", "foundry"]) == 0
     out = capsys.readouterr().out
-    for table in (foundry_table(), rerun_table(), foundry_held_out_table(), microbatch_table()):
+    for table in (foundry_table(), rerun_table(), foundry_held_out_table(), sequence_table(),
+                  microbatch_table()):
         assert table in out
 
 
