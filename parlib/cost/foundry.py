@@ -259,10 +259,15 @@ def ratio_band(generation: str) -> tuple[float, float, float]:
     """(lowest, median, highest) reported / predicted over every published row on
     ``generation`` (:data:`~parlib.cost.published.RUNS` and :data:`FOUNDRY_RUNS`, llm-foundry's
     two MosaicML rows counted once): the model's error band on that generation."""
-    ratios = sorted(r.ratio() for r in published_rows(generation))
-    mid = len(ratios) // 2
-    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    return ratios[0], median, ratios[-1]
+    return low_median_high([r.ratio() for r in published_rows(generation)])
+
+
+def low_median_high(values: list[float]) -> tuple[float, float, float]:
+    """(lowest, median, highest) of ``values`` (at least one)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return ordered[0], median, ordered[-1]
 
 
 def published_rows(generation: str) -> tuple[PublishedRun, ...]:
@@ -343,5 +348,5 @@ def foundry_table(runs: tuple[PublishedRun, ...] = FOUNDRY_RUNS,
 __all__ = ["A100_40GB_ROWS", "ABOVE_BEST", "FOUNDRY_RUNS", "H100_80GB_ROWS", "MICROBATCH_RUNS",
            "MICROBATCH_SWEEP_ROWS", "MPT_SHAPES", "TARGET_SHARE", "TARGET_TREND", "a100_40gb",
            "above_best", "against_published", "best_published", "foundry_run", "foundry_table",
-           "in_band_share", "microbatch_sweep_lean", "microbatch_run", "microbatch_table",
-           "most_matmul", "mpt", "published_rows", "ratio_band", "trends"]
+           "in_band_share", "low_median_high", "microbatch_sweep_lean", "microbatch_run",
+           "microbatch_table", "most_matmul", "mpt", "published_rows", "ratio_band", "trends"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from parlib.cost.estimate import Estimate
-from parlib.cost.foundry import foundry_run, published_rows
+from parlib.cost.foundry import foundry_run, low_median_high, published_rows
 from parlib.cost.model import Model
 from parlib.cost.published import TARGET_BAND, PublishedRun
 
@@ -120,10 +120,7 @@ def attention_share(model: Model) -> float:
 
 
 def _band(runs: list[PublishedRun]) -> tuple[float, float, float]:
-    ratios = sorted(run.ratio() for run in runs)
-    mid = len(ratios) // 2
-    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    return ratios[0], median, ratios[-1]
+    return low_median_high([run.ratio() for run in runs])
 
 
 def share_bands(runs: tuple[PublishedRun, ...]

@@ -94,3 +94,9 @@ def test_the_table_prints_each_bucket_and_the_fitted_shares():
     assert "19 of 32 rows within reported/predicted 0.8-1.25" in table
     assert "the H100 shares are fitted to rows with attention at most 57% of the FLOPs" in table
     assert "H100          50% to 100%    11   0.55   0.68 (median)  0.77" in table
+
+
+def test_low_median_high_takes_the_middle_or_the_mean_of_the_two_middles():
+    from parlib.cost.foundry import low_median_high
+    assert low_median_high([0.9, 0.5, 1.2]) == (0.5, 0.9, 1.2)
+    assert low_median_high([1.0, 0.5, 1.2, 0.8]) == (0.5, 0.9, 1.2)
