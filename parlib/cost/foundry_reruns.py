@@ -3,8 +3,9 @@ the same layout runs again, beside how far the cost model is from it.
 
 Source: mosaicml/llm-foundry, ``scripts/train/benchmarking/torch2.md`` (commit 985460c,
 August 2023): one node of 8 A100 40GB, FSDP ``FULL_SHARD``, MP ``PURE``, the columns of the
-README's tables, run on a later software stack than the README's A100 tables (those date
-from before May 2023; the README above them reads "TODO: Update tables with torch 2.0").
+README's tables, run on a later software stack than the README's A100 40GB table (its rows
+date from before May 2023; the README above its tables reads "TODO: Update tables with torch
+2.0").
 Six of its layouts at sequence 2048 repeat a row of the README's A100 40GB table: model,
 GPU count, microbatch, accumulation and activation checkpointing all the same
 (:data:`RERUN_ROWS`), three of them run twice. (The file repeats itself too: MPT 125M at
