@@ -23,6 +23,7 @@ the runs slow as they spread).
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -264,10 +265,7 @@ def ratio_band(generation: str) -> tuple[float, float, float]:
 
 def low_median_high(values: list[float]) -> tuple[float, float, float]:
     """(lowest, median, highest) of ``values`` (at least one)."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return ordered[0], median, ordered[-1]
+    return min(values), statistics.median(values), max(values)
 
 
 def published_rows(generation: str) -> tuple[PublishedRun, ...]:

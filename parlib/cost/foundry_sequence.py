@@ -110,7 +110,8 @@ def sequence_run(table: str, size: str, seq_len: int, micro: int, accum: int, ba
 # Not in FOUNDRY_RUNS: no fit of the training shares sees them.
 SEQUENCE_RUNS = {table: tuple(sequence_run(table, *row) for row in rows)
                  for table, rows in SEQUENCE_ROWS.items()}
-# Attention's share of the FLOPs, in buckets: [0, 0.1), [0.1, 0.25), [0.25, 0.5), [0.5, 1]
+# Attention's share of the FLOPs, in buckets: [0, 0.1), [0.1, 0.25), [0.25, 0.5), [0.5, 1)
+# (a model with weights spends some FLOPs on them: the share is below 1)
 SHARE_EDGES = (0.0, 0.1, 0.25, 0.5, 1.0)
 
 
@@ -129,8 +130,7 @@ def share_bands(runs: tuple[PublishedRun, ...]
     (lowest, median, highest) reported / predicted)."""
     out = []
     for low, high in zip(SHARE_EDGES, SHARE_EDGES[1:]):
-        inside = [run for run in runs if low <= attention_share(run.model) < high
-                  or (high == 1.0 and attention_share(run.model) == 1.0)]
+        inside = [run for run in runs if low <= attention_share(run.model) < high]
         if inside:
             out.append((low, high, len(inside), _band(inside)))
     return out
@@ -150,35 +150,42 @@ def beyond_fitted(generation: str) -> list[PublishedRun]:
             if run.hardware.generation == generation and attention_share(run.model) > tested]
 
 
-def attention_held(est: Estimate) -> tuple[float, float] | None:
-    """For a prediction whose attention share is beyond its generation's fitted rows (and
-    with rows here beyond them too): its MFU held to the band those rows came in at
-    (lowest, highest); None otherwise."""
+def _beyond(est: Estimate) -> tuple[list[PublishedRun], tuple[float, float, float]] | None:
+    """For a prediction whose attention share is beyond its generation's fitted rows, with
+    rows here beyond them too: (those rows, their lowest, median and highest reported /
+    predicted); None otherwise."""
     generation = est.hardware.generation
     if attention_share(est.model) <= fitted_attention_share(generation):
         return None
     rows = beyond_fitted(generation)
-    if not rows:
+    return (rows, _band(rows)) if rows else None
+
+
+def attention_held(est: Estimate) -> tuple[float, float] | None:
+    """For a prediction whose attention share is beyond its generation's fitted rows (and
+    with rows here beyond them too): its MFU held to the band those rows came in at
+    (lowest, highest); None otherwise."""
+    beyond = _beyond(est)
+    if beyond is None:
         return None
-    low, _, high = _band(rows)
+    _, (low, _, high) = beyond
     return low * est.mfu, high * est.mfu
 
 
 def attention_caution(est: Estimate) -> str:
     """A sentence for a prediction whose attention share is beyond what its generation's
     fitted rows held (:func:`attention_held`); "" for any other."""
-    held = attention_held(est)
-    if held is None:
+    beyond = _beyond(est)
+    if beyond is None:
         return ""
+    rows, (low, median, high) = beyond
     generation = est.hardware.generation
-    rows = beyond_fitted(generation)
-    low, median, high = _band(rows)
     return (f"Attention is {attention_share(est.model):.0%} of this model's FLOPs, beyond the "
             f"{fitted_attention_share(generation):.0%} of any run the {generation} shares are "
             f"fitted to; llm-foundry's {generation} runs beyond it ({len(rows)}, one node, "
             f"sequences of up to {max(r.model.seq_len for r in rows):,} tokens) reached "
             f"{low:.2f}-{high:.2f} of what the model predicts for them (median {median:.2f}); "
-            f"held to that band this one is {held[0]:.0%}-{held[1]:.0%} MFU.")
+            f"held to that band this one is {low * est.mfu:.0%}-{high * est.mfu:.0%} MFU.")
 
 
 def sequence_table(band: tuple[float, float] = TARGET_BAND) -> str:
